@@ -1,0 +1,12 @@
+// torch_stage._C: pybind11 glue, only where Python objects are involved.
+// Operators and custom classes live in libtorch_stage.so (csrc/ops), which
+// this module links and which C++ programs use without Python.
+#include <torch/csrc/utils/pybind.h>
+
+#include "python/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() =
+      "torch_stage Python bindings (internal; use the torch_stage package)";
+  torch_stage::python::init_staging(m);
+}

@@ -1,0 +1,135 @@
+# torch_stage: every task from a clean clone on a fresh machine.
+#
+#   make demo    set up, build, run the demonstration
+#   make test    set up, build, run the C++ (ctest) and Python (pytest) tests
+#   make build   build the extension and the C++ tests (quick when up to date)
+#   make lint    clang-format check and ruff
+#   make format  apply clang-format and ruff format
+#   make tsan    torch-free C++ units and tests under ThreadSanitizer
+#   make asan    the same under AddressSanitizer (+ UndefinedBehaviorSanitizer)
+#   make bench   the benchmarks (JSON on stdout)
+#
+# Set-up is part of every target: a .venv with TORCH_SPEC and the test
+# dependencies, and GoogleTest (Debian's libgtest-dev) when it is missing.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+BUILD := build
+CPP_BUILD := $(BUILD)/cpp
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+export MAX_JOBS ?= $(JOBS)
+# cmake, ninja and the tools installed in the venv come first.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+DEPS_STAMP := $(VENV)/.deps-stamp
+EXT_STAMP := $(BUILD)/.ext-stamp
+EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py pyproject.toml
+CPP_SOURCES := $(shell find csrc tests/cpp benchmarks/cpp examples -name '*.cpp' -o -name '*.h' 2>/dev/null)
+CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp -name CMakeLists.txt)
+PYTEST_ARGS ?=
+, := ,
+
+.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench clean distclean
+
+all: test
+
+setup: venv gtest
+
+# Reinstall when TORCH_SPEC differs from the one the venv was made with.
+ifneq ($(shell cat $(DEPS_STAMP) 2>/dev/null),$(TORCH_SPEC))
+.PHONY: $(DEPS_STAMP)
+endif
+
+venv: $(DEPS_STAMP)
+
+$(DEPS_STAMP): requirements-dev.txt
+	@test -x $(PY) || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	$(PIP) install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PIP) install -q --disable-pip-version-check -r requirements-dev.txt "$(TORCH_SPEC)"
+	@echo "$(TORCH_SPEC)" > $@
+
+gtest:
+	@if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then \
+	  echo "GoogleTest is missing: installing Debian's libgtest-dev"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgtest-dev; \
+	fi
+	@command -v cmake > /dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake; }
+
+build: venv gtest $(EXT_STAMP) cpp
+
+# The editable install registers the package (and its entry points) and
+# builds the library in place; ninja recompiles only what changed.
+$(EXT_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
+	$(PIP) install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@mkdir -p $(BUILD) && touch $@
+
+$(CPP_BUILD)/build.ninja: $(CMAKE_FILES) $(DEPS_STAMP)
+	cmake -S . -B $(CPP_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -Wno-dev > $(BUILD)/cmake-configure.log \
+	  || { cat $(BUILD)/cmake-configure.log; exit 1; }
+
+cpp: $(EXT_STAMP) $(CPP_BUILD)/build.ninja
+	cmake --build $(CPP_BUILD) -j $(JOBS)
+
+test: build
+	@rc=0; \
+	echo "== GoogleTest (ctest) =="; \
+	ctest --test-dir $(CPP_BUILD) --output-on-failure --no-tests=error -j $(JOBS) \
+	  2>&1 | tee $(BUILD)/ctest.log || rc=1; \
+	echo "== pytest =="; \
+	$(PY) -m pytest $(PYTEST_ARGS) 2>&1 | tee $(BUILD)/pytest.log || rc=1; \
+	echo "== summary =="; \
+	echo "ctest:  $$(grep -E 'tests passed|No tests were found' $(BUILD)/ctest.log | tail -1)"; \
+	echo "pytest: $$(tail -1 $(BUILD)/pytest.log)"; \
+	exit $$rc
+
+demo: build
+	$(PY) examples/staging_area_demo.py
+
+bench: build
+	$(PY) benchmarks/buffer_throughput.py
+
+PY_FILES := setup.py torch_stage tests benchmarks examples
+
+lint: venv
+	clang-format --dry-run --Werror $(CPP_SOURCES)
+	ruff check $(PY_FILES)
+	ruff format --check $(PY_FILES)
+
+format: venv
+	clang-format -i $(CPP_SOURCES)
+	ruff check --fix $(PY_FILES)
+	ruff format $(PY_FILES)
+
+# The torch-free units (bounded buffer, scheduler) and their tests, built
+# under a sanitizer; torch itself is not instrumented, so it stays out.
+define sanitize
+	cmake -S . -B $(BUILD)/$(1) -G Ninja -DTORCH_STAGE_PURE_ONLY=ON \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS="$(2) -fno-omit-frame-pointer" \
+	  -Wno-dev > $(BUILD)/$(1)-configure.log || { cat $(BUILD)/$(1)-configure.log; exit 1; }
+	cmake --build $(BUILD)/$(1) -j $(JOBS)
+	ctest --test-dir $(BUILD)/$(1) --output-on-failure --no-tests=error
+endef
+
+tsan: gtest
+	@mkdir -p $(BUILD)
+	$(call sanitize,tsan,-fsanitize=thread)
+
+asan: gtest
+	@mkdir -p $(BUILD)
+	$(call sanitize,asan,-fsanitize=address$(,)undefined -fno-sanitize-recover=undefined)
+
+clean:
+	rm -rf $(BUILD) torch_stage/lib torch_stage/*.so
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

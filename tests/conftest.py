@@ -1,0 +1,64 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A bound against hangs for tests that wait on threads: far above any healthy
+# run, so it never measures speed, only that nothing blocks forever.
+HANG_BOUND_S = 60
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def devices():
+    """Parametrisation over the CPU and, marked `cuda`, the GPU."""
+    return [
+        pytest.param("cpu", id="cpu"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+    ]
+
+
+@pytest.fixture
+def run_python():
+    """Run a Python snippet in a fresh interpreter, bounded against hangs.
+
+    For behaviour that would wedge the test process itself when broken (a
+    thread holding the GIL forever, interpreter exit, signals).
+    """
+
+    def run(code, timeout=HANG_BOUND_S, env=None, check=True):
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+        if env:
+            full_env.update(env)
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
+            cwd=ROOT,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+    return run

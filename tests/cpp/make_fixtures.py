@@ -1,0 +1,41 @@
+"""Write the scripted modules that the C++ tests load with LibTorch alone.
+
+Usage: python tests/cpp/make_fixtures.py OUT_DIR
+"""
+
+import os
+import sys
+
+import torch
+
+import torch_stage  # noqa: F401  (loads torch.classes.torch_stage)
+
+
+class StagedConsumer(torch.nn.Module):
+    """Takes (x, bias) bundles from its staging area and computes x @ w + bias."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.area = torch_stage.StagingArea(capacity).script_object
+        self.weight = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(4, 3) / 10)
+
+    def forward(self) -> torch.Tensor:
+        x, bias = self.area.take()
+        return x @ self.weight + bias
+
+    @torch.jit.export
+    def feed(self, x: torch.Tensor, bias: torch.Tensor) -> None:
+        self.area.put([x, bias])
+
+
+def main(out_dir: str) -> int:
+    os.makedirs(out_dir, exist_ok=True)
+    scripted = torch.jit.script(StagedConsumer(capacity=3))
+    path = os.path.join(out_dir, "staged_consumer.pt")
+    scripted.save(path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,32 @@
+"""torch_stage: keep accelerators busy with staged prefetch and multi-stream
+execution.
+
+Importing the package loads the compiled operator library
+(``torch.ops.torch_stage.*`` and ``torch.classes.torch_stage.*``).
+"""
+
+from torch_stage import _library
+
+_C = _library.load()
+
+from torch_stage._build_info import build_info  # noqa: E402
+from torch_stage._library import library_path  # noqa: E402
+from torch_stage.errors import (  # noqa: E402
+    StageCancelled,
+    StageClosed,
+    StageError,
+    StageTimeoutError,
+)
+from torch_stage.staging import StagingArea  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "StageCancelled",
+    "StageClosed",
+    "StageError",
+    "StageTimeoutError",
+    "StagingArea",
+    "build_info",
+    "library_path",
+]

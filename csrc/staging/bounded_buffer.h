@@ -337,13 +337,16 @@ class BoundedBuffer {
       return closed_ ? BufferStatus::kClosed : BufferStatus::kTimeout;
     }
     occupancy_sum_ += items_.size();
-    out = std::move(items_.front());
+    T item(std::move(items_.front()));
     items_.pop_front();
     if (byte_limit_ != 0) {
-      bytes_ -= size_of_(out);
+      bytes_ -= size_of_(item);
     }
     ++taken_count_;
     lock.unlock();
+    // Assigned outside the lock: whatever `out` held before is destroyed
+    // here, and item destructors may take other locks (the GIL).
+    out = std::move(item);
     // Under a byte limit one take may make room for several small items.
     if (byte_limit_ != 0) {
       not_full_.notify_all();

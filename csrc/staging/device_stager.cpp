@@ -1,0 +1,281 @@
+#include "staging/device_stager.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+namespace torch_stage {
+namespace {
+
+int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+bool fusable(const at::Tensor& t) {
+  return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_quantized();
+}
+
+// Pool streams are taken from PyTorch's pool once per (device, id) for the
+// life of the process: a stream per stage or per epoch would strand the
+// caching allocator's per-stream blocks (timm #2781, vLLM #52951).
+c10::Stream pool_stream(const c10::Device& device, int64_t stream_id) {
+  static std::mutex mu;
+  static std::map<std::pair<std::string, int64_t>, c10::Stream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(device.str(), stream_id);
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    it = streams
+             .emplace(
+                 key,
+                 impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false))
+             .first;
+  }
+  return it->second;
+}
+
+c10::Device checked_device(c10::Device device) {
+  if (device.is_cpu()) {
+    return device;
+  }
+  int64_t count = 0;
+  try {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    count = impl.deviceCount();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK_VALUE(
+        false,
+        "device ",
+        device,
+        " is not available in this build of torch: ",
+        e.what_without_backtrace());
+  }
+  const int64_t index = device.has_index() ? device.index() : 0;
+  TORCH_CHECK_VALUE(
+      index < count,
+      "device ",
+      device,
+      " does not exist: ",
+      count,
+      " ",
+      c10::DeviceTypeName(device.type(), /*lower_case=*/true),
+      " device(s) are visible");
+  if (!device.has_index()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    return impl.getDevice();
+  }
+  return device;
+}
+
+c10::Stream staging_stream(const c10::Device& device, int64_t stream_id) {
+  TORCH_CHECK_VALUE(
+      stream_id >= 0 && stream_id < kMaxStageStreams,
+      "stage_subgraph_stream_id must be in [0, ",
+      kMaxStageStreams,
+      ") (0 is the consumer's current stream), got ",
+      stream_id);
+  c10::impl::VirtualGuardImpl impl(device.type());
+  if (device.is_cpu() || stream_id == 0) {
+    return impl.getStream(device);
+  }
+  return pool_stream(device, stream_id);
+}
+
+} // namespace
+
+FusedLayout plan_fused_layout(
+    const TensorBundle& tensors,
+    const c10::Device& device,
+    bool fuse_same_device) {
+  FusedLayout layout;
+  layout.offsets.assign(tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (!t.defined() || !fusable(t) ||
+        (t.device() == device && !fuse_same_device)) {
+      continue;
+    }
+    layout.total_bytes = align_up(layout.total_bytes, DeviceStager::kAlignment);
+    layout.offsets[i] = layout.total_bytes;
+    layout.total_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return layout;
+}
+
+DeviceStager::DeviceStager(
+    c10::Device device,
+    int64_t stream_id,
+    bool fuse_on_cpu)
+    : device_(checked_device(device)),
+      fuse_on_cpu_(fuse_on_cpu),
+      stream_(staging_stream(device_, stream_id)) {}
+
+DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
+  HostBuffer buffer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Smallest free buffer that is large enough.
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->memory.numel() >= bytes &&
+          (best == free_.end() || it->memory.numel() < best->memory.numel())) {
+        best = it;
+      }
+    }
+    if (best != free_.end()) {
+      buffer = std::move(*best);
+      free_.erase(best);
+      ++stats_.host_buffer_reuses;
+    } else {
+      ++stats_.host_buffers_allocated;
+    }
+  }
+  if (buffer.memory.defined()) {
+    // The copy that last read this buffer may still be in flight.
+    if (buffer.last_copy) {
+      buffer.last_copy->synchronize();
+      buffer.last_copy.reset();
+    }
+    return buffer;
+  }
+  // Round up so that items of slightly varying size share buffers.
+  const int64_t size =
+      std::max<int64_t>(align_up(bytes + bytes / 8, 4096), 4096);
+  buffer.memory = at::empty(
+      {size},
+      at::TensorOptions().dtype(at::kByte).pinned_memory(!device_.is_cpu()));
+  return buffer;
+}
+
+void DeviceStager::release_host_buffer(HostBuffer buffer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(std::move(buffer));
+}
+
+void DeviceStager::stage(StageItem& item) {
+  if (device_.is_cpu() && !fuse_on_cpu_) {
+    for (auto& t : item.tensors) {
+      if (t.defined() && !t.device().is_cpu()) {
+        t = t.to(device_);
+      }
+    }
+    return;
+  }
+  const FusedLayout layout =
+      plan_fused_layout(item.tensors, device_, fuse_on_cpu_);
+  const bool accelerator = !device_.is_cpu();
+  c10::StreamGuard guard(stream_);
+  bool on_device_already = false;
+  for (const auto& t : item.tensors) {
+    on_device_already |= t.defined() && t.device() == device_;
+  }
+  if (accelerator && on_device_already && guard.original_stream() != stream_) {
+    // Work that made these tensors (a transform) ran on this thread's own
+    // stream; the copy stream, and through its event every consumer, must
+    // wait for it.
+    c10::Event made(device_.type());
+    made.record(guard.original_stream());
+    made.block(stream_);
+  }
+  int64_t fused = 0;
+  const bool any_fused =
+      std::any_of(layout.offsets.begin(), layout.offsets.end(), [](int64_t o) {
+        return o >= 0;
+      });
+  if (any_fused) {
+    HostBuffer host = acquire_host_buffer(layout.total_bytes);
+    at::Tensor device_buffer = at::empty(
+        {layout.total_bytes},
+        at::TensorOptions().dtype(at::kByte).device(device_));
+    for (size_t i = 0; i < item.tensors.size(); ++i) {
+      const int64_t offset = layout.offsets[i];
+      if (offset < 0) {
+        continue;
+      }
+      at::Tensor& t = item.tensors[i];
+      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      // The CPU side of the transfer, done in the producer thread without
+      // the GIL: gather into the fused host buffer (any strides).
+      host.memory.narrow(0, offset, bytes)
+          .view(t.scalar_type())
+          .view(t.sizes())
+          .copy_(t);
+      t = device_buffer.narrow(0, offset, bytes)
+              .view(t.scalar_type())
+              .view(t.sizes());
+      ++fused;
+    }
+    device_buffer.copy_(
+        host.memory.narrow(0, 0, layout.total_bytes), /*non_blocking=*/true);
+    if (accelerator) {
+      auto done = std::make_shared<c10::Event>(device_.type());
+      done->record(stream_);
+      host.last_copy = done;
+      item.ready = std::move(done);
+    }
+    release_host_buffer(std::move(host));
+    item.device_storage = std::move(device_buffer);
+  }
+  // What did not fuse: tensors on other devices or with other layouts.
+  bool copied_separately = false;
+  for (size_t i = 0; i < item.tensors.size(); ++i) {
+    auto& t = item.tensors[i];
+    if (layout.offsets[i] < 0 && t.defined() && t.device() != device_) {
+      t = t.to(device_, /*non_blocking=*/true);
+      copied_separately = true;
+    }
+  }
+  if (accelerator && (copied_separately || on_device_already)) {
+    // Re-record so that the event also covers these copies; the host
+    // buffer keeps the earlier event, which is all its reuse needs.
+    auto done = std::make_shared<c10::Event>(device_.type());
+    done->record(stream_);
+    item.ready = std::move(done);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.items;
+  stats_.fused_tensors += fused;
+  stats_.bytes += layout.total_bytes;
+}
+
+void DeviceStager::hand_over(StageItem& item) {
+  if (!item.ready) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(item.ready->device_type());
+  const c10::Device device(
+      item.ready->device_type(), item.ready->device_index());
+  const c10::Stream current = impl.getStream(device);
+  item.ready->block(current);
+  // Memory made on another stream (the fused buffer, separate copies,
+  // tensors a transform made) must not be recycled by the caching allocator
+  // while this consumer's stream may still read it.
+  const c10::StorageImpl* fused = item.device_storage.defined()
+      ? item.device_storage.storage().unsafeGetStorageImpl()
+      : nullptr;
+  if (fused != nullptr) {
+    impl.recordDataPtrOnStream(
+        item.device_storage.storage().data_ptr(), current);
+  }
+  for (const auto& t : item.tensors) {
+    if (t.defined() && t.device() == device && t.has_storage() &&
+        t.storage().unsafeGetStorageImpl() != fused) {
+      impl.recordDataPtrOnStream(t.storage().data_ptr(), current);
+    }
+  }
+  item.ready.reset();
+}
+
+DeviceStagerStats DeviceStager::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+} // namespace torch_stage

@@ -1,0 +1,112 @@
+// DeviceStager: the host-to-device step of a stage (DeepRec's
+// TensorBufferPutGpuOp, redone with c10's device-generic streams and events).
+//
+// For each item:
+//   1. The item's dense CPU tensors are laid out in one fused buffer, each at
+//      an offset aligned to kAlignment bytes.
+//   2. They are copied (CPU work, no GIL) into a pinned host buffer taken
+//      from a free list; buffers are reused, never allocated per item. A
+//      buffer is written only after the event of the last copy that read it
+//      has completed.
+//   3. One non-blocking copy sends the fused buffer to a device buffer, on
+//      the staging stream; an event is recorded after it.
+//   4. The item's tensors become views of the device buffer. Tensors that
+//      cannot be fused (already on the target device: passed through; other
+//      devices or sparse layouts: copied one by one) keep their own memory.
+// Consumers call hand_over() on their thread: their current stream waits on
+// the event, and the device buffer is recorded on that stream so the caching
+// allocator does not reuse it while the consumer's work may still read it
+// (one record per item thanks to fusion, not one per tensor).
+//
+// Streams: stream_id 0 is the stream that was current on the thread that
+// built the stager (the consumer's, when a stage starts lazily on first
+// take); ids >= 1 index a per-device pool taken from PyTorch's stream pool
+// once per process (never a new stream per epoch or per call).
+//
+// Threads: stage() may be called from several producer threads at once; the
+// free list has its own lock. hand_over() is static and thread-safe.
+//
+// CPU target: nothing to copy, so stage() leaves items as they are, unless
+// fuse_on_cpu is set (tests use it to run the fusion and reuse logic
+// without a GPU; host buffers are then plain CPU memory).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "staging/stage.h"
+
+namespace torch_stage {
+
+// Streams PyTorch's pool hands out before they alias (32 per priority).
+constexpr int64_t kMaxStageStreams = 32;
+
+struct FusedLayout {
+  // For each tensor of the bundle: its byte offset in the fused buffer, or
+  // -1 when it is not fused (see kind).
+  std::vector<int64_t> offsets;
+  int64_t total_bytes = 0;
+};
+
+// Which tensors of `tensors` fuse into one transfer to `device`, and where:
+// dense CPU tensors, except those already on `device` unless
+// `fuse_same_device` (the CPU test mode). Exposed for tests.
+FusedLayout plan_fused_layout(
+    const TensorBundle& tensors,
+    const c10::Device& device,
+    bool fuse_same_device = false);
+
+struct DeviceStagerStats {
+  int64_t items = 0;
+  int64_t fused_tensors = 0;
+  int64_t bytes = 0;
+  int64_t host_buffers_allocated = 0;
+  int64_t host_buffer_reuses = 0;
+};
+
+class DeviceStager {
+ public:
+  static constexpr int64_t kAlignment = 64;
+
+  // Throws c10::ValueError for a stream id outside [0, kMaxStageStreams) or
+  // a device that does not exist.
+  DeviceStager(c10::Device device, int64_t stream_id, bool fuse_on_cpu = false);
+
+  // Copies item.tensors to the device (see above). Producer threads.
+  void stage(StageItem& item);
+
+  // Consumer side; a no-op for items that were not staged.
+  static void hand_over(StageItem& item);
+
+  DeviceStagerStats stats() const;
+  const c10::Device& device() const {
+    return device_;
+  }
+  c10::Stream stream() const {
+    return stream_;
+  }
+
+ private:
+  struct HostBuffer {
+    at::Tensor memory; // uint8, pinned for accelerators
+    std::shared_ptr<c10::Event> last_copy; // must complete before reuse
+  };
+  HostBuffer acquire_host_buffer(int64_t bytes);
+  void release_host_buffer(HostBuffer buffer);
+
+  const c10::Device device_;
+  const bool fuse_on_cpu_;
+  c10::Stream stream_;
+
+  mutable std::mutex mu_;
+  std::vector<HostBuffer> free_; // guarded by mu_
+  DeviceStagerStats stats_; // guarded by mu_
+};
+
+} // namespace torch_stage

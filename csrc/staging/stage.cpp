@@ -1,0 +1,779 @@
+#include "staging/stage.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+#include "staging/device_stager.h"
+
+// Intra-op bound for stage threads. at::set_num_threads would also change
+// the process-wide default that every thread not yet initialised (the main
+// thread included, before its first parallel op) adopts: the DataLoader's
+// pin thread idiom has that side effect. OpenMP's setting is per thread, and
+// MKL's GNU OpenMP layer follows it. Weak, so that a torch built without
+// OpenMP simply skips the bound; it resolves to the OpenMP runtime torch
+// itself loaded.
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+
+namespace torch_stage {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kNoCutoff = std::numeric_limits<int64_t>::max();
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             Clock::now().time_since_epoch())
+      .count();
+}
+
+// ---------------------------------------------------------------------------
+// Stage pools
+
+struct Pool {
+  StagePoolConfig config;
+  int64_t busy = 0; // guarded by pools_mu()
+};
+
+std::mutex& pools_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::condition_variable& pools_cv() {
+  static std::condition_variable cv;
+  return cv;
+}
+// Guarded by pools_mu(). Index 0 is the default pool.
+std::vector<Pool>& pools() {
+  static std::vector<Pool> all{Pool{StagePoolConfig{0, 1, "torch_stage"}}};
+  return all;
+}
+
+} // namespace
+
+int64_t StagePools::add(
+    int64_t inter_op_threads,
+    int64_t intra_op_threads,
+    const std::string& global_name) {
+  TORCH_CHECK_VALUE(
+      inter_op_threads >= 1,
+      "inter_op_threads must be >= 1, got ",
+      inter_op_threads);
+  TORCH_CHECK_VALUE(
+      intra_op_threads >= 1,
+      "intra_op_threads must be >= 1, got ",
+      intra_op_threads);
+  TORCH_CHECK_VALUE(
+      !global_name.empty(), "global_name must be a non-empty string");
+  std::lock_guard<std::mutex> lock(pools_mu());
+  for (const auto& p : pools()) {
+    TORCH_CHECK_VALUE(
+        p.config.global_name != global_name,
+        "a stage thread pool named '",
+        global_name,
+        "' already exists");
+  }
+  pools().push_back(
+      Pool{StagePoolConfig{inter_op_threads, intra_op_threads, global_name}});
+  return static_cast<int64_t>(pools().size()) - 1;
+}
+
+int64_t StagePools::count() {
+  std::lock_guard<std::mutex> lock(pools_mu());
+  return static_cast<int64_t>(pools().size());
+}
+
+StagePoolConfig StagePools::config(int64_t id) {
+  std::lock_guard<std::mutex> lock(pools_mu());
+  TORCH_CHECK_VALUE(
+      id >= 0 && id < static_cast<int64_t>(pools().size()),
+      "stage_subgraph_thread_pool_id ",
+      id,
+      " is unknown: ",
+      pools().size() - 1,
+      " pool(s) were added with add_stage_thread_pool (ids 1..",
+      pools().size() - 1,
+      "; 0 is the default pool)");
+  return pools()[id].config;
+}
+
+StagePools::Slot StagePools::acquire(
+    int64_t id,
+    const std::function<bool()>& stop) {
+  std::unique_lock<std::mutex> lock(pools_mu());
+  Pool& pool = pools().at(id);
+  // Waits are also woken by wake_all() when a stop condition changes; the
+  // timed wait is a backstop for conditions changed without a wake-up.
+  while (!stop()) {
+    if (pool.config.inter_op_threads == 0 ||
+        pool.busy < pool.config.inter_op_threads) {
+      ++pool.busy;
+      return Slot(id);
+    }
+    pools_cv().wait_for(lock, std::chrono::milliseconds(100));
+  }
+  return Slot();
+}
+
+void StagePools::wake_all() {
+  std::lock_guard<std::mutex> lock(pools_mu());
+  pools_cv().notify_all();
+}
+
+StagePools::Slot& StagePools::Slot::operator=(Slot&& other) noexcept {
+  if (this != &other) {
+    release();
+    pool_ = other.pool_;
+    other.pool_ = -1;
+  }
+  return *this;
+}
+
+StagePools::Slot::~Slot() {
+  release();
+}
+
+void StagePools::Slot::release() {
+  if (pool_ < 0) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(pools_mu());
+    --pools()[pool_].busy;
+  }
+  pools_cv().notify_all();
+  pool_ = -1;
+}
+
+// ---------------------------------------------------------------------------
+// Stage state
+
+namespace {
+
+enum class Phase : int {
+  kStarting,
+  kWaitingForPool,
+  kPulling,
+  kProcessing,
+  kCopying,
+  kWaitingForTurn,
+  kWaitingForSpace,
+  kExited,
+};
+
+const char* phase_text(Phase p) {
+  switch (p) {
+    case Phase::kStarting:
+      return "starting";
+    case Phase::kWaitingForPool:
+      return "waiting for a slot of its stage thread pool";
+    case Phase::kPulling:
+      return "pulling from the source";
+    case Phase::kProcessing:
+      return "running the stage work (transform)";
+    case Phase::kCopying:
+      return "copying to the device";
+    case Phase::kWaitingForTurn:
+      return "waiting for earlier items (ordered delivery)";
+    case Phase::kWaitingForSpace:
+      return "waiting for space in the buffer (consumers are slower)";
+    case Phase::kExited:
+      return "exited";
+  }
+  return "unknown";
+}
+
+struct ProducerStatus {
+  std::atomic<int> phase{static_cast<int>(Phase::kStarting)};
+  std::atomic<int64_t> index{-1};
+  std::atomic<int64_t> since_ns{0};
+  std::atomic<bool> exited{false};
+
+  void set(Phase p, int64_t item = -1) {
+    index.store(item, std::memory_order_relaxed);
+    since_ns.store(now_ns(), std::memory_order_relaxed);
+    phase.store(static_cast<int>(p), std::memory_order_release);
+  }
+};
+
+void bound_intra_op_threads(int64_t threads) {
+  // Initialise this thread's intra-op settings first, so torch's lazy
+  // per-thread initialisation does not later override the bound.
+  (void)at::get_num_threads();
+  if (omp_set_num_threads != nullptr) {
+    omp_set_num_threads(static_cast<int>(threads));
+  }
+}
+
+void name_thread(const std::string& name) {
+  // Linux allows 15 characters; the rest still shows in profilers that read
+  // the record_function ranges.
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+}
+
+} // namespace
+
+struct Stage::State : std::enable_shared_from_this<State> {
+  State(StageOptions o, std::shared_ptr<StageWork> w)
+      : options(std::move(o)),
+        work(std::move(w)),
+        pool(StagePools::config(options.pool_id)),
+        buffer(static_cast<size_t>(options.capacity)),
+        statuses(static_cast<size_t>(options.num_threads)) {
+    if (options.device.has_value()) {
+      stager =
+          std::make_unique<DeviceStager>(*options.device, options.stream_id);
+    }
+    range_pull = "torch_stage/" + options.name + "/pull";
+    range_process = "torch_stage/" + options.name + "/process";
+    range_copy = "torch_stage/" + options.name + "/copy_to_device";
+  }
+
+  const StageOptions options;
+  const std::shared_ptr<StageWork> work;
+  const StagePoolConfig pool;
+  std::unique_ptr<DeviceStager> stager;
+  BoundedBuffer<StageItem> buffer;
+  std::string range_pull, range_process, range_copy;
+
+  // Lifecycle, guarded by life_mu.
+  std::mutex life_mu;
+  bool started = false;
+  bool closed = false;
+  std::vector<std::thread> threads;
+  std::atomic<bool> stop{false};
+
+  // The source, guarded by source_mu.
+  std::mutex source_mu;
+  int64_t next_index = 0;
+  bool source_done = false;
+  std::atomic<bool> source_done_flag{false}; // mirrors source_done, lock-free
+  // Positions after the cutoff (end or error) are never delivered.
+  std::atomic<int64_t> cutoff{kNoCutoff};
+
+  // Delivery order, guarded by turn_mu.
+  std::mutex turn_mu;
+  std::condition_variable turn_cv;
+  int64_t turn = 0;
+  bool error_put = false; // once the error item is out, nothing follows
+
+  // Consumers inside take, guarded by clients_mu.
+  std::mutex clients_mu;
+  std::condition_variable clients_cv;
+  int64_t takers = 0;
+
+  // Producer exits, guarded by exit_mu.
+  std::mutex exit_mu;
+  std::condition_variable exit_cv;
+  int64_t live = 0;
+
+  std::vector<ProducerStatus> statuses;
+
+  std::mutex warn_mu;
+  WarnFn warn; // guarded by warn_mu
+
+  std::atomic<int64_t> produced{0}, consumed{0}, skipped{0}, dropped{0},
+      errors{0}, blocked_ns{0}, pull_ns{0}, process_ns{0}, copy_ns{0};
+  std::atomic<bool> failed{false}, finished{false};
+
+  void warning(const std::string& message) {
+    WarnFn fn;
+    {
+      std::lock_guard<std::mutex> lock(warn_mu);
+      fn = warn;
+    }
+    if (fn) {
+      fn(message);
+    } else {
+      TORCH_WARN(message);
+    }
+  }
+
+  void end_source(int64_t index) {
+    // Requires source_mu held.
+    source_done = true;
+    source_done_flag.store(true);
+    int64_t current = cutoff.load();
+    while (index < current && !cutoff.compare_exchange_weak(current, index)) {
+    }
+  }
+
+  // Runs a StageWork step; C++ exceptions become error items.
+  template <typename Fn>
+  Outcome guarded(StageItem& item, const char* step, Fn fn) {
+    try {
+      return fn();
+    } catch (const c10::Error& e) {
+      item.error = std::make_shared<ItemError>(ItemError{
+          c10::str(
+              "stage '",
+              options.name,
+              "' item ",
+              item.index,
+              " (",
+              step,
+              "): ",
+              e.what_without_backtrace()),
+          nullptr});
+    } catch (const std::exception& e) {
+      item.error = std::make_shared<ItemError>(ItemError{
+          c10::str(
+              "stage '",
+              options.name,
+              "' item ",
+              item.index,
+              " (",
+              step,
+              "): ",
+              e.what()),
+          nullptr});
+    }
+    return Outcome::kError;
+  }
+
+  static Outcome timed(
+      std::atomic<int64_t>& total,
+      const std::string& range,
+      const std::function<Outcome()>& fn) {
+    at::RecordFunction rf(at::RecordScope::USER_SCOPE);
+    if (rf.isActive()) {
+      rf.before(range.c_str());
+    }
+    const int64_t start = now_ns();
+    const Outcome o = fn();
+    total += now_ns() - start;
+    return o;
+  }
+
+  void produce(int64_t id, const at::ThreadLocalState& starter) {
+    // Producers run under the starting thread's thread-local state, as
+    // at::launch does for inter-op work: a profiler active there records
+    // the stage's ranges, and grad mode matches the consumer's.
+    at::ThreadLocalStateGuard tls(starter);
+    ProducerStatus& status = statuses[id];
+    name_thread(c10::str(pool.global_name, ":", options.name, ":", id));
+    bound_intra_op_threads(pool.intra_op_threads);
+    while (!stop.load()) {
+      status.set(Phase::kWaitingForPool);
+      StagePools::Slot slot = StagePools::acquire(options.pool_id, [this] {
+        return stop.load() || source_done_flag.load();
+      });
+      if (!slot) {
+        break;
+      }
+      StageItem item;
+      Outcome outcome = Outcome::kItem;
+      {
+        std::lock_guard<std::mutex> lock(source_mu);
+        if (source_done || stop.load()) {
+          break;
+        }
+        item.index = next_index++;
+        status.set(Phase::kPulling, item.index);
+        outcome = timed(pull_ns, range_pull, [&] {
+          return guarded(
+              item, "source", [&] { return work->pull(item.index, item); });
+        });
+        if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
+          end_source(item.index);
+        }
+      }
+      if (outcome == Outcome::kItem) {
+        status.set(Phase::kProcessing, item.index);
+        outcome = timed(process_ns, range_process, [&] {
+          return guarded(
+              item, "transform", [&] { return work->process(item); });
+        });
+      }
+      if (outcome == Outcome::kItem && stager) {
+        status.set(Phase::kCopying, item.index);
+        outcome = timed(copy_ns, range_copy, [&] {
+          return guarded(item, "copy to device", [&] {
+            const Outcome o = work->expose_tensors(item);
+            if (o == Outcome::kItem) {
+              stager->stage(item);
+            }
+            return o;
+          });
+        });
+      }
+      if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
+        std::lock_guard<std::mutex> lock(source_mu);
+        end_source(item.index);
+      }
+      slot.release();
+      if (!deliver(status, std::move(item), outcome)) {
+        break;
+      }
+    }
+    status.set(Phase::kExited);
+    producer_exited(status);
+  }
+
+  // Hands a finished position to consumers, in turn when ordered. Returns
+  // false when the stage is stopping.
+  bool deliver(ProducerStatus& status, StageItem item, Outcome outcome) {
+    const int64_t index = item.index;
+    if (options.ordered) {
+      status.set(Phase::kWaitingForTurn, index);
+      const int64_t start = now_ns();
+      std::unique_lock<std::mutex> lock(turn_mu);
+      turn_cv.wait(lock, [&] { return stop.load() || turn == index; });
+      blocked_ns += now_ns() - start;
+      if (stop.load()) {
+        return false;
+      }
+    }
+    bool keep_going = put(status, std::move(item), outcome, index);
+    if (options.ordered) {
+      {
+        std::lock_guard<std::mutex> lock(turn_mu);
+        ++turn;
+      }
+      turn_cv.notify_all();
+    }
+    return keep_going;
+  }
+
+  bool put(
+      ProducerStatus& status,
+      StageItem item,
+      Outcome outcome,
+      int64_t index) {
+    {
+      std::lock_guard<std::mutex> lock(turn_mu);
+      if (error_put || index > cutoff.load()) {
+        return true; // after the end or a failure: not delivered
+      }
+      if (outcome == Outcome::kError) {
+        error_put = true;
+      }
+    }
+    switch (outcome) {
+      case Outcome::kEnd:
+        return true;
+      case Outcome::kSkip:
+        ++skipped;
+        return true;
+      case Outcome::kError:
+        ++errors;
+        failed.store(true);
+        break;
+      case Outcome::kItem:
+        break;
+    }
+    status.set(Phase::kWaitingForSpace, index);
+    BufferStatus put_status;
+    if (options.put_timeout_ms.has_value() && outcome == Outcome::kItem) {
+      put_status = buffer.try_put_for(
+          item, std::chrono::milliseconds(*options.put_timeout_ms));
+      if (put_status == BufferStatus::kTimeout) {
+        ++dropped;
+        warning(c10::str(
+            "stage '",
+            options.name,
+            "' dropped item ",
+            index,
+            " after waiting ",
+            *options.put_timeout_ms,
+            " ms for space (put_timeout_millis is set); ",
+            dropped.load(),
+            " item(s) dropped so far"));
+        return true;
+      }
+    } else {
+      put_status = buffer.put(item);
+    }
+    if (put_status != BufferStatus::kOk) {
+      return false; // cancelled by close()
+    }
+    if (outcome == Outcome::kItem) {
+      ++produced;
+    }
+    return true;
+  }
+
+  void producer_exited(ProducerStatus& status) {
+    status.exited.store(true);
+    bool last = false;
+    {
+      std::lock_guard<std::mutex> lock(exit_mu);
+      last = --live == 0;
+    }
+    if (last) {
+      // The last producer out ends the stream: what is buffered drains,
+      // then consumers see the end (as DeepRec's last runner closes).
+      buffer.close();
+      finished.store(true);
+    }
+    exit_cv.notify_all();
+  }
+
+  void start() {
+    std::lock_guard<std::mutex> lock(life_mu);
+    if (started || closed) {
+      return;
+    }
+    started = true;
+    live = options.num_threads;
+    auto self = shared_from_this();
+    auto starter = std::make_shared<at::ThreadLocalState>();
+    for (int64_t i = 0; i < options.num_threads; ++i) {
+      // Each thread owns a reference: a producer stuck in user code past
+      // close() keeps the state it uses alive.
+      threads.emplace_back([self, starter, i] { self->produce(i, *starter); });
+    }
+  }
+
+  void close() {
+    std::vector<std::thread> to_join;
+    {
+      std::lock_guard<std::mutex> lock(life_mu);
+      if (closed) {
+        return;
+      }
+      closed = true;
+      to_join.swap(threads);
+    }
+    stop.store(true);
+    {
+      // Taking the lock orders the store before any waiter's predicate
+      // check, so no producer misses the wake-up.
+      std::lock_guard<std::mutex> lock(turn_mu);
+    }
+    turn_cv.notify_all();
+    StagePools::wake_all();
+    buffer.cancel();
+    {
+      std::unique_lock<std::mutex> lock(exit_mu);
+      exit_cv.wait_for(lock, options.join_timeout, [&] { return live == 0; });
+    }
+    std::vector<int64_t> stuck;
+    for (size_t i = 0; i < to_join.size(); ++i) {
+      if (statuses[i].exited.load()) {
+        to_join[i].join();
+      } else {
+        stuck.push_back(static_cast<int64_t>(i));
+        to_join[i].detach();
+      }
+    }
+    if (!stuck.empty()) {
+      warning(c10::str(
+          "stage '",
+          options.name,
+          "' closed, but ",
+          stuck.size(),
+          " producer thread(s) are still inside user code after ",
+          options.join_timeout.count(),
+          " ms (",
+          describe(),
+          "); they exit when that call returns"));
+    }
+  }
+
+  std::string describe() const {
+    std::ostringstream out;
+    const int64_t now = now_ns();
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      const auto& s = statuses[i];
+      const auto phase = static_cast<Phase>(s.phase.load());
+      out << (i == 0 ? "" : "; ") << "producer " << i << ": "
+          << phase_text(phase);
+      if (s.index.load() >= 0) {
+        out << " (item " << s.index.load() << ")";
+      }
+      if (phase != Phase::kExited && s.since_ns.load() > 0) {
+        out << " for " << c10::str((now - s.since_ns.load()) / 1000000)
+            << " ms";
+      }
+    }
+    return out.str();
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Stage
+
+namespace {
+
+StageOptions checked(StageOptions o) {
+  TORCH_CHECK_VALUE(o.capacity >= 1, "capacity must be >= 1, got ", o.capacity);
+  TORCH_CHECK_VALUE(
+      o.num_threads >= 1, "num_threads must be >= 1, got ", o.num_threads);
+  TORCH_CHECK_VALUE(
+      o.num_clients >= 1, "num_clients must be >= 1, got ", o.num_clients);
+  TORCH_CHECK_VALUE(
+      o.timeout_ms >= 1, "timeout_millis must be >= 1, got ", o.timeout_ms);
+  TORCH_CHECK_VALUE(
+      !o.put_timeout_ms.has_value() || *o.put_timeout_ms >= 1,
+      "put_timeout_millis must be >= 1 (or None), got ",
+      o.put_timeout_ms.value_or(0));
+  (void)StagePools::config(o.pool_id); // checks the id
+  if (!o.device.has_value()) {
+    TORCH_CHECK_VALUE(
+        o.stream_id >= 0 && o.stream_id < kMaxStageStreams,
+        "stage_subgraph_stream_id must be in [0, ",
+        kMaxStageStreams,
+        ") (0 is the consumer's current stream), got ",
+        o.stream_id);
+  }
+  return o;
+}
+
+} // namespace
+
+Stage::Stage(StageOptions options, std::shared_ptr<StageWork> work) {
+  TORCH_CHECK_VALUE(work != nullptr, "a stage needs work to run");
+  state_ =
+      std::make_shared<State>(checked(std::move(options)), std::move(work));
+}
+
+Stage::~Stage() {
+  close();
+}
+
+void Stage::start() {
+  state_->start();
+}
+
+TakeStatus Stage::take(StageItem& out) {
+  return take_for(out, std::chrono::milliseconds(state_->options.timeout_ms));
+}
+
+TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
+  State& st = *state_;
+  st.start();
+  const auto deadline = Clock::now() + timeout;
+  {
+    std::unique_lock<std::mutex> lock(st.clients_mu);
+    if (!st.clients_cv.wait_until(lock, deadline, [&] {
+          return st.takers < st.options.num_clients;
+        })) {
+      return TakeStatus::kTimeout;
+    }
+    ++st.takers;
+  }
+  const BufferStatus status = st.buffer.try_take_until(out, deadline);
+  {
+    std::lock_guard<std::mutex> lock(st.clients_mu);
+    --st.takers;
+  }
+  st.clients_cv.notify_one();
+  switch (status) {
+    case BufferStatus::kOk:
+      break;
+    case BufferStatus::kTimeout:
+      return TakeStatus::kTimeout;
+    case BufferStatus::kClosed:
+      return TakeStatus::kEnd;
+    case BufferStatus::kCancelled:
+    case BufferStatus::kTooLarge:
+      return TakeStatus::kClosed;
+  }
+  if (!out.error) {
+    DeviceStager::hand_over(out);
+    ++st.consumed;
+  }
+  return TakeStatus::kItem;
+}
+
+void Stage::close() {
+  state_->close();
+}
+
+bool Stage::started() const {
+  std::lock_guard<std::mutex> lock(state_->life_mu);
+  return state_->started;
+}
+
+bool Stage::closed() const {
+  std::lock_guard<std::mutex> lock(state_->life_mu);
+  return state_->closed;
+}
+
+int64_t Stage::buffered() const {
+  return static_cast<int64_t>(state_->buffer.size());
+}
+
+bool Stage::failed() const {
+  return state_->failed.load();
+}
+
+const std::string& Stage::name() const {
+  return state_->options.name;
+}
+
+const StageOptions& Stage::options() const {
+  return state_->options;
+}
+
+StageStats Stage::stats() const {
+  const BufferStats b = state_->buffer.stats();
+  StageStats s;
+  s.produced = state_->produced.load();
+  s.consumed = state_->consumed.load();
+  s.skipped = state_->skipped.load();
+  s.dropped = state_->dropped.load();
+  s.discarded = static_cast<int64_t>(b.dropped);
+  s.errors = state_->errors.load();
+  s.consumer_wait_ns = b.consumer_wait_ns;
+  s.producer_blocked_ns = b.producer_blocked_ns + state_->blocked_ns.load();
+  s.pull_ns = state_->pull_ns.load();
+  s.process_ns = state_->process_ns.load();
+  s.copy_ns = state_->copy_ns.load();
+  s.occupancy_sum = static_cast<int64_t>(b.occupancy_sum);
+  s.max_occupancy = static_cast<int64_t>(b.max_size);
+  s.capacity = static_cast<int64_t>(b.capacity);
+  if (state_->stager) {
+    const DeviceStagerStats d = state_->stager->stats();
+    s.staged_items = d.items;
+    s.fused_tensors = d.fused_tensors;
+    s.staged_bytes = d.bytes;
+    s.host_buffers = d.host_buffers_allocated;
+    s.host_buffer_reuses = d.host_buffer_reuses;
+  }
+  s.started = started();
+  s.finished = state_->finished.load();
+  s.failed = state_->failed.load();
+  return s;
+}
+
+std::string Stage::describe() const {
+  return state_->describe();
+}
+
+std::string Stage::timeout_message(std::chrono::milliseconds waited) const {
+  const StageStats s = stats();
+  return c10::str(
+      "stage '",
+      name(),
+      "' delivered no item for ",
+      waited.count(),
+      " ms (timeout_millis=",
+      state_->options.timeout_ms,
+      "); ",
+      s.produced,
+      " item(s) produced and ",
+      s.consumed,
+      " consumed so far; ",
+      describe(),
+      ". A slow source needs a larger timeout_millis; a source that never "
+      "returns is a bug in the source.");
+}
+
+void Stage::set_warning_handler(WarnFn fn) {
+  std::lock_guard<std::mutex> lock(state_->warn_mu);
+  state_->warn = std::move(fn);
+}
+
+} // namespace torch_stage

@@ -1,0 +1,252 @@
+// Stage: producer threads that pull items from a source, run the per-item
+// stage work, optionally copy the result to a device, and hand it to
+// consumers through a bounded buffer (the runtime behind torch_stage.staged).
+//
+// Semantics (design.md, "Staging semantics")
+// -------------------------------------------
+// * At most `capacity` finished items wait in the buffer; producers block
+//   when it is full. `num_threads` producer threads work at once; each takes
+//   the next source position under the source lock, then processes it
+//   concurrently with the others.
+// * ordered: items are delivered in source order whatever thread finished
+//   first (a producer waits for its turn before it puts). Unordered: in the
+//   order they finish.
+// * End of data: StageWork::pull returns kEnd at position k. No position
+//   after k is pulled; every item before k is delivered, then the buffer
+//   closes and consumers see end of stream.
+// * Skipped items (kSkip, the ignored exception types) are counted and do
+//   not reach consumers; the stream continues.
+// * Errors (kError) at position k stop the pulling; the items before k are
+//   delivered, then the error item itself, which the consumer re-raises; the
+//   items after k are discarded. Consumers that reach the end afterwards
+//   learn that the stage failed (failed()).
+// * Producers never drop an item silently. Only when put_timeout_ms is set
+//   (DeepRec's discard-on-timeout, an explicit opt-in) does a producer that
+//   waited that long for space discard its item, counted in stats().dropped
+//   and reported through the warning callback.
+// * Consumer waits are bounded by timeout_ms; the timeout error names the
+//   stage and says what each producer is doing (describe()).
+//
+// Threads and ownership
+// ---------------------
+// start(), take(), close(), stats() and describe() may be called from any
+// thread. start() is idempotent and also happens on the first take(), so a
+// forgotten warm-up can never hang a consumer. close() stops the producers,
+// cancels the buffer (waking every waiter) and joins the threads; a producer
+// busy inside StageWork (user code that does not return) is waited for at
+// most join_timeout and then left to finish on its own, holding the shared
+// state alive. The destructor closes. StageWork is called only from producer
+// threads; pull() is called under the source lock, one position at a time.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "staging/bounded_buffer.h"
+#include "staging/staging_area.h"
+
+namespace torch_stage {
+
+class DeviceStager;
+
+// Why an item failed, to be re-raised by the consumer at its position.
+struct ItemError {
+  std::string message;
+  // Owner-specific detail (the Python exception object for Python work);
+  // its deleter knows how to release it from any thread.
+  std::shared_ptr<void> detail;
+};
+
+// One item on its way from the source to a consumer.
+struct StageItem {
+  int64_t index = -1; // position in the source
+  TensorBundle tensors; // the tensors of the item (device staging copies them)
+  // Owner-specific rest of the item (for Python work: the object itself, or
+  // its structure and non-tensor leaves when the tensors were taken out).
+  std::shared_ptr<void> payload;
+  std::shared_ptr<const ItemError> error; // set on error items only
+  // Set by device staging: the copy's completion, which consumers' streams
+  // wait on (shared with the pinned buffer that must not be reused before
+  // it), and the device memory they must keep safe on their own stream.
+  std::shared_ptr<c10::Event> ready;
+  at::Tensor device_storage;
+};
+
+// What a producer step produced.
+enum class Outcome {
+  kItem, // an item to deliver
+  kEnd, // end of data (a closed exception type): deliver what came before
+  kSkip, // an ignored exception: count, log, continue
+  kError, // any other failure: item.error says why; stops the stage
+};
+
+// The source and per-item work of a stage. Implemented by the Python glue
+// (Python iterables, callables and transforms) and by C++ sources.
+class StageWork {
+ public:
+  virtual ~StageWork() = default;
+  // Fetch the item at source position `index` into `item`. Called under the
+  // stage's source lock.
+  virtual Outcome pull(int64_t index, StageItem& item) = 0;
+  // The per-item stage work (transform); runs concurrently on producers.
+  virtual Outcome process(StageItem& item) = 0;
+  // Make item.tensors hold every tensor of the item (device staging needs
+  // them); called before device staging only.
+  virtual Outcome expose_tensors(StageItem& item) = 0;
+};
+
+// A named budget for stage work (add_stage_thread_pool): how many producers
+// of all stages using it may do work at once (inter_op_threads), how many
+// intra-op threads each uses, and the name their threads carry.
+//
+// Why a budget and not a set of shared threads: producers block on buffer
+// space and on their turn, for as long as the consumer pleases. Shared
+// threads parked that way would starve other stages of the pool, or
+// deadlock them. So each stage keeps its own threads, named after the pool,
+// and holds one of the pool's slots only while it pulls and processes.
+struct StagePoolConfig {
+  int64_t inter_op_threads = 0; // 0: no bound (the default pool)
+  int64_t intra_op_threads = 1;
+  std::string global_name;
+};
+
+class StagePools {
+ public:
+  // Registers a pool and returns its id (>= 1; id 0 is the default pool).
+  static int64_t add(
+      int64_t inter_op_threads,
+      int64_t intra_op_threads,
+      const std::string& global_name);
+  static int64_t count();
+  static StagePoolConfig config(int64_t id);
+
+  class Slot;
+  // Blocks until pool `id` has a free slot or `stop()` holds (then returns
+  // an empty slot). Release by destroying the Slot.
+  static Slot acquire(int64_t id, const std::function<bool()>& stop);
+  // Wakes waiters of every pool (after a stop condition changed).
+  static void wake_all();
+
+  class Slot {
+   public:
+    Slot() = default;
+    Slot(Slot&& other) noexcept : pool_(other.pool_) {
+      other.pool_ = -1;
+    }
+    Slot& operator=(Slot&& other) noexcept;
+    ~Slot();
+    explicit operator bool() const {
+      return pool_ >= 0;
+    }
+    void release();
+
+   private:
+    friend class StagePools;
+    explicit Slot(int64_t pool) : pool_(pool) {}
+    int64_t pool_ = -1;
+  };
+};
+
+struct StageOptions {
+  std::string name = "stage";
+  int64_t capacity = 1;
+  int64_t num_threads = 1;
+  // Consumers served at once (DeepRec's Take pool): further consumers wait
+  // for one of them to finish its take. Any number may share the stage.
+  int64_t num_clients = 1;
+  int64_t timeout_ms = 300000;
+  bool ordered = true;
+  int64_t pool_id = 0;
+  std::optional<c10::Device> device; // device staging target
+  int64_t stream_id = 0; // staging stream (0: the consumer's stream)
+  std::optional<int64_t> put_timeout_ms; // opt-in discard-on-timeout
+  std::chrono::milliseconds join_timeout{10000};
+};
+
+struct StageStats {
+  int64_t produced = 0; // items put in the buffer
+  int64_t consumed = 0; // items handed to consumers
+  int64_t skipped = 0; // ignored exceptions
+  int64_t dropped = 0; // discarded on put timeout (opt-in)
+  int64_t discarded = 0; // produced but still buffered when close() ran
+  int64_t errors = 0;
+  int64_t consumer_wait_ns = 0;
+  int64_t producer_blocked_ns = 0; // waiting for space or for the turn
+  int64_t pull_ns = 0; // inside StageWork::pull
+  int64_t process_ns = 0; // inside StageWork::process
+  int64_t copy_ns = 0; // device staging on the host (pin, fuse, launch)
+  int64_t occupancy_sum = 0; // items found in the buffer by takes, summed
+  int64_t max_occupancy = 0;
+  int64_t capacity = 0;
+  // Device staging (zero without a device): items copied, tensors fused into
+  // shared transfers, bytes sent, host buffers allocated and reused.
+  int64_t staged_items = 0;
+  int64_t fused_tensors = 0;
+  int64_t staged_bytes = 0;
+  int64_t host_buffers = 0;
+  int64_t host_buffer_reuses = 0;
+  bool started = false;
+  bool finished = false; // every producer has exited
+  bool failed = false;
+};
+
+// What a consumer got from take().
+enum class TakeStatus { kItem, kEnd, kTimeout, kClosed };
+
+class Stage {
+ public:
+  // Throws c10::ValueError for invalid options (before any thread starts).
+  Stage(StageOptions options, std::shared_ptr<StageWork> work);
+  ~Stage();
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
+
+  // Starts the producer threads (idempotent).
+  void start();
+
+  // Takes the next item, waiting at most `timeout` (defaults to the stage's
+  // timeout_ms). On kItem, `out` is ready to use on the calling thread's
+  // current stream (device items: the stream waits on the copy). kEnd: end
+  // of stream (check failed()); kClosed: close() was called.
+  TakeStatus take(StageItem& out);
+  TakeStatus take_for(StageItem& out, std::chrono::milliseconds timeout);
+
+  // Stops and joins the producers; idempotent; safe from any thread.
+  void close();
+
+  bool started() const;
+  bool closed() const;
+  // Items waiting in the buffer now.
+  int64_t buffered() const;
+  bool failed() const;
+  const std::string& name() const;
+  const StageOptions& options() const;
+  StageStats stats() const;
+  // What each producer is doing now, for timeout errors and debugging.
+  std::string describe() const;
+  // The error a consumer reports when it waited past timeout_ms.
+  std::string timeout_message(std::chrono::milliseconds waited) const;
+
+  // Where warnings go (dropped items); the default prints with TORCH_WARN.
+  using WarnFn = std::function<void(const std::string&)>;
+  void set_warning_handler(WarnFn fn);
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+} // namespace torch_stage

@@ -8,4 +8,7 @@ namespace torch_stage::python {
 // _StagingAreaHandle: the GIL-aware Python fast path of StagingArea.
 void init_staging(pybind11::module_& m);
 
+// _Stage: Python sources, transforms and consumers of a Stage; stage pools.
+void init_stage(pybind11::module_& m);
+
 } // namespace torch_stage::python

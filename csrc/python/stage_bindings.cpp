@@ -1,0 +1,520 @@
+// Python side of Stage: Python sources and transforms run from C++ producer
+// threads, and Python consumers take items.
+//
+// GIL discipline: a producer holds the GIL only while it calls Python (the
+// source's next(), the callable, the transform, flattening an item for
+// device staging); pinning, copying, ordering and buffering run without it.
+// The time producers spend waiting for the GIL is measured (gil_wait_ns) so
+// that hand-off stalls (PyTorch issue 77139) are visible in stats().
+//
+// Python objects held by items and by the work are released with the GIL,
+// from whichever thread drops them; after interpreter finalisation has begun
+// they are leaked instead (touching the interpreter then is undefined).
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "python/bindings.h"
+#include "staging/device_stager.h"
+#include "staging/stage.h"
+
+namespace py = pybind11;
+
+namespace torch_stage::python {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// Releases a Python reference from any thread.
+void drop(py::object& obj) {
+  if (!obj) {
+    return;
+  }
+  if (!python_alive()) {
+    obj.release(); // leaked on purpose: the interpreter is going away
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  obj = py::object();
+}
+
+// An item's Python part: the object itself, or (after flattening for device
+// staging) the structure that rebuilds it around item.tensors.
+struct PyPayload {
+  py::object obj;
+  bool flattened = false;
+  ~PyPayload() {
+    drop(obj);
+  }
+};
+
+std::shared_ptr<void> make_payload(py::object obj, bool flattened) {
+  return std::make_shared<PyPayload>(PyPayload{std::move(obj), flattened});
+}
+
+PyPayload& payload_of(const StageItem& item) {
+  return *static_cast<PyPayload*>(item.payload.get());
+}
+
+// An exception to re-raise in the consumer, traceback included.
+struct PyError {
+  py::object value;
+  ~PyError() {
+    drop(value);
+  }
+};
+
+class PyStageWork final : public StageWork {
+ public:
+  PyStageWork(
+      std::string name,
+      py::object source,
+      bool call_source,
+      py::dict feed_dict,
+      py::object transform,
+      py::tuple closed_types,
+      py::tuple ignored_types,
+      py::object helpers,
+      bool flatten_for_device)
+      : name_(std::move(name)),
+        source_(std::move(source)),
+        call_source_(call_source),
+        feed_dict_(std::move(feed_dict)),
+        transform_(std::move(transform)),
+        closed_types_(std::move(closed_types)),
+        ignored_types_(std::move(ignored_types)),
+        flatten_(helpers.attr("flatten")),
+        check_structure_(helpers.attr("check_structure")),
+        on_skip_(helpers.attr("on_skip")),
+        flatten_for_device_(flatten_for_device) {}
+
+  ~PyStageWork() override {
+    for (py::object* obj :
+         {&source_,
+          &iterator_,
+          static_cast<py::object*>(&feed_dict_),
+          &transform_,
+          static_cast<py::object*>(&closed_types_),
+          static_cast<py::object*>(&ignored_types_),
+          &flatten_,
+          &check_structure_,
+          &on_skip_,
+          &first_structure_}) {
+      drop(*obj);
+    }
+  }
+
+  Outcome pull(int64_t index, StageItem& item) override {
+    Gil gil(gil_wait_ns_);
+    try {
+      if (call_source_) {
+        item.payload = make_payload(source_(**feed_dict_), false);
+        return Outcome::kItem;
+      }
+      if (!iterator_) {
+        iterator_ =
+            py::reinterpret_steal<py::object>(PyObject_GetIter(source_.ptr()));
+        if (!iterator_) {
+          throw py::error_already_set();
+        }
+      }
+      PyObject* next = PyIter_Next(iterator_.ptr());
+      if (next == nullptr) {
+        if (PyErr_Occurred()) {
+          throw py::error_already_set();
+        }
+        // The iterable is exhausted: the natural end of the stream.
+        return Outcome::kEnd;
+      }
+      item.payload =
+          make_payload(py::reinterpret_steal<py::object>(next), false);
+      return Outcome::kItem;
+    } catch (py::error_already_set& e) {
+      return classify(e, index, item);
+    }
+  }
+
+  Outcome process(StageItem& item) override {
+    if (!transform_) {
+      return Outcome::kItem;
+    }
+    Gil gil(gil_wait_ns_);
+    try {
+      PyPayload& payload = payload_of(item);
+      py::object out = transform_(payload.obj);
+      check_structure(out, item.index);
+      payload.obj = std::move(out);
+      return Outcome::kItem;
+    } catch (py::error_already_set& e) {
+      return classify(e, item.index, item);
+    }
+  }
+
+  Outcome expose_tensors(StageItem& item) override {
+    if (!flatten_for_device_) {
+      return Outcome::kItem;
+    }
+    Gil gil(gil_wait_ns_);
+    try {
+      PyPayload& payload = payload_of(item);
+      py::tuple flat = flatten_(payload.obj);
+      item.tensors.clear();
+      for (py::handle t : py::reinterpret_borrow<py::list>(flat[0])) {
+        item.tensors.push_back(THPVariable_Unpack(t.ptr()));
+      }
+      payload.obj = flat[1];
+      payload.flattened = true;
+      return Outcome::kItem;
+    } catch (py::error_already_set& e) {
+      return classify(e, item.index, item);
+    }
+  }
+
+  int64_t gil_wait_ns() const {
+    return gil_wait_ns_.load();
+  }
+
+ private:
+  // Acquires the GIL, adding the time it took to `total`.
+  class Gil {
+   public:
+    explicit Gil(std::atomic<int64_t>& total) {
+      const auto start = Clock::now();
+      gil_.emplace();
+      total += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   Clock::now() - start)
+                   .count();
+    }
+
+   private:
+    std::optional<py::gil_scoped_acquire> gil_;
+  };
+
+  // Called with the GIL held.
+  void check_structure(const py::object& out, int64_t index) {
+    py::object structure = check_structure_(
+        out, first_structure_ ? first_structure_ : py::none(), index);
+    if (!first_structure_) {
+      first_structure_ = std::move(structure);
+    }
+  }
+
+  // Called with the GIL held; the Python error is in `e`.
+  Outcome classify(py::error_already_set& e, int64_t index, StageItem& item) {
+    if (PyErr_GivenExceptionMatches(e.type().ptr(), closed_types_.ptr())) {
+      return Outcome::kEnd;
+    }
+    if (PyErr_GivenExceptionMatches(e.type().ptr(), ignored_types_.ptr())) {
+      on_skip_(name_, index, e.value());
+      return Outcome::kSkip;
+    }
+    py::object value = e.value();
+    if (e.trace() && PyException_GetTraceback(value.ptr()) == nullptr) {
+      PyException_SetTraceback(value.ptr(), e.trace().ptr());
+    }
+    auto detail = std::make_shared<PyError>(PyError{value});
+    item.error = std::make_shared<ItemError>(ItemError{
+        c10::str(
+            "stage '",
+            name_,
+            "' item ",
+            index,
+            ": ",
+            py::str(py::type::handle_of(value).attr("__name__"))
+                .cast<std::string>(),
+            ": ",
+            py::str(value).cast<std::string>()),
+        std::move(detail)});
+    return Outcome::kError;
+  }
+
+  const std::string name_;
+  py::object source_;
+  const bool call_source_;
+  py::object iterator_; // made on the first pull, under the source lock
+  py::dict feed_dict_;
+  py::object transform_;
+  py::tuple closed_types_;
+  py::tuple ignored_types_;
+  py::object flatten_;
+  py::object check_structure_;
+  py::object on_skip_;
+  py::object first_structure_; // set by the first transformed item
+  const bool flatten_for_device_;
+  std::atomic<int64_t> gil_wait_ns_{0};
+};
+
+[[noreturn]] void raise(const char* type, const std::string& message) {
+  py::object cls = py::module_::import("torch_stage.errors").attr(type);
+  PyErr_SetString(cls.ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
+// The Python handle of a stage: owns it, and closes it without the GIL.
+class PyStage {
+ public:
+  PyStage(
+      StageOptions options,
+      std::shared_ptr<PyStageWork> work,
+      py::object warn)
+      : work_(work), stage_(std::make_unique<Stage>(std::move(options), work)) {
+    auto warn_fn = std::make_shared<py::object>(std::move(warn));
+    stage_->set_warning_handler([warn_fn](const std::string& message) {
+      if (!python_alive()) {
+        return;
+      }
+      py::gil_scoped_acquire gil;
+      try {
+        (*warn_fn)(message);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("torch_stage stage warning");
+      }
+    });
+  }
+
+  ~PyStage() {
+    // Joining producers that need the GIL while holding it would deadlock.
+    if (python_alive() && PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      stage_.reset();
+    } else {
+      stage_.reset();
+    }
+  }
+
+  Stage& stage() {
+    return *stage_;
+  }
+
+  // Consumer side: the next item as a Python object; raises StopIteration
+  // at the end and the item's own exception at a failed position.
+  py::object next(int64_t timeout_ms) {
+    const auto timeout = std::chrono::milliseconds(
+        timeout_ms >= 0 ? timeout_ms : stage_->options().timeout_ms);
+    StageItem out;
+    const auto start = Clock::now();
+    // First without waiting (and without giving up the GIL), then in slices
+    // with the GIL released, checking for signals between slices.
+    TakeStatus status = stage_->take_for(out, std::chrono::milliseconds(0));
+    while (status == TakeStatus::kTimeout) {
+      const auto waited = Clock::now() - start;
+      if (waited >= timeout) {
+        raise(
+            "StageTimeoutError",
+            stage_->timeout_message(
+                std::chrono::duration_cast<std::chrono::milliseconds>(waited)));
+      }
+      const auto slice = std::min<Clock::duration>(
+          std::chrono::milliseconds(100), timeout - waited);
+      {
+        py::gil_scoped_release no_gil;
+        status = stage_->take_for(
+            out,
+            std::max(
+                std::chrono::milliseconds(1),
+                std::chrono::duration_cast<std::chrono::milliseconds>(slice)));
+      }
+      if (status == TakeStatus::kTimeout && PyErr_CheckSignals() != 0) {
+        throw py::error_already_set();
+      }
+    }
+    switch (status) {
+      case TakeStatus::kItem:
+        break;
+      case TakeStatus::kEnd:
+        if (stage_->failed()) {
+          raise(
+              "StageError",
+              c10::str(
+                  "stage '",
+                  stage_->name(),
+                  "' failed on an earlier item (raised to the consumer that "
+                  "took it) and has no more items"));
+        }
+        throw py::stop_iteration();
+      case TakeStatus::kClosed:
+        raise(
+            "StageClosed", c10::str("stage '", stage_->name(), "' was closed"));
+      case TakeStatus::kTimeout:
+        break;
+    }
+    if (out.error) {
+      auto* detail = static_cast<PyError*>(out.error->detail.get());
+      if (detail != nullptr && detail->value) {
+        PyErr_SetObject(
+            reinterpret_cast<PyObject*>(Py_TYPE(detail->value.ptr())),
+            detail->value.ptr());
+        throw py::error_already_set();
+      }
+      raise("StageError", out.error->message);
+    }
+    PyPayload& payload = payload_of(out);
+    if (!payload.flattened) {
+      return payload.obj;
+    }
+    py::list tensors(out.tensors.size());
+    for (size_t i = 0; i < out.tensors.size(); ++i) {
+      tensors[i] = py::reinterpret_steal<py::object>(
+          THPVariable_Wrap(std::move(out.tensors[i])));
+    }
+    return py::module_::import("torch_stage._pytree")
+        .attr("unflatten")(tensors, payload.obj);
+  }
+
+  py::dict stats() const {
+    const StageStats s = stage_->stats();
+    py::dict d;
+    d["produced"] = s.produced;
+    d["consumed"] = s.consumed;
+    d["skipped"] = s.skipped;
+    d["dropped"] = s.dropped;
+    d["discarded"] = s.discarded;
+    d["errors"] = s.errors;
+    d["consumer_wait_s"] = s.consumer_wait_ns / 1e9;
+    d["producer_blocked_s"] = s.producer_blocked_ns / 1e9;
+    d["source_s"] = s.pull_ns / 1e9;
+    d["transform_s"] = s.process_ns / 1e9;
+    d["copy_s"] = s.copy_ns / 1e9;
+    d["gil_wait_s"] = work_->gil_wait_ns() / 1e9;
+    d["capacity"] = s.capacity;
+    d["mean_occupancy"] = s.consumed + s.errors > 0
+        ? double(s.occupancy_sum) / (s.consumed + s.errors)
+        : 0.0;
+    d["max_occupancy"] = s.max_occupancy;
+    d["staged_items"] = s.staged_items;
+    d["fused_tensors"] = s.fused_tensors;
+    d["staged_bytes"] = s.staged_bytes;
+    d["pinned_buffers"] = s.host_buffers;
+    d["pinned_buffer_reuses"] = s.host_buffer_reuses;
+    d["started"] = s.started;
+    d["finished"] = s.finished;
+    d["failed"] = s.failed;
+    return d;
+  }
+
+ private:
+  std::shared_ptr<PyStageWork> work_;
+  std::unique_ptr<Stage> stage_;
+};
+
+std::optional<c10::Device> parse_device(const py::object& device) {
+  if (device.is_none()) {
+    return std::nullopt;
+  }
+  return py::cast<c10::Device>(device);
+}
+
+} // namespace
+
+void init_stage(py::module_& m) {
+  py::class_<PyStage, std::shared_ptr<PyStage>>(m, "_Stage")
+      .def(
+          py::init([](py::object source,
+                      bool call_source,
+                      py::dict feed_dict,
+                      py::object transform,
+                      py::tuple closed_types,
+                      py::tuple ignored_types,
+                      py::object helpers,
+                      py::object warn,
+                      std::string name,
+                      int64_t capacity,
+                      int64_t num_threads,
+                      int64_t num_clients,
+                      int64_t timeout_ms,
+                      bool ordered,
+                      int64_t pool_id,
+                      py::object device,
+                      int64_t stream_id,
+                      std::optional<int64_t> put_timeout_ms,
+                      int64_t join_timeout_ms) {
+            StageOptions options;
+            options.name = name;
+            options.capacity = capacity;
+            options.num_threads = num_threads;
+            options.num_clients = num_clients;
+            options.timeout_ms = timeout_ms;
+            options.ordered = ordered;
+            options.pool_id = pool_id;
+            options.device = parse_device(device);
+            options.stream_id = stream_id;
+            options.put_timeout_ms = put_timeout_ms;
+            options.join_timeout = std::chrono::milliseconds(join_timeout_ms);
+            auto work = std::make_shared<PyStageWork>(
+                name,
+                std::move(source),
+                call_source,
+                std::move(feed_dict),
+                transform.is_none() ? py::object() : std::move(transform),
+                std::move(closed_types),
+                std::move(ignored_types),
+                std::move(helpers),
+                options.device.has_value());
+            return std::make_shared<PyStage>(
+                std::move(options), std::move(work), std::move(warn));
+          }),
+          py::kw_only(),
+          py::arg("source"),
+          py::arg("call_source"),
+          py::arg("feed_dict"),
+          py::arg("transform"),
+          py::arg("closed_types"),
+          py::arg("ignored_types"),
+          py::arg("helpers"),
+          py::arg("warn"),
+          py::arg("name"),
+          py::arg("capacity"),
+          py::arg("num_threads"),
+          py::arg("num_clients"),
+          py::arg("timeout_ms"),
+          py::arg("ordered"),
+          py::arg("pool_id"),
+          py::arg("device"),
+          py::arg("stream_id"),
+          py::arg("put_timeout_ms"),
+          py::arg("join_timeout_ms"))
+      .def(
+          "start",
+          [](PyStage& s) { s.stage().start(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("next", &PyStage::next, py::arg("timeout_ms") = -1)
+      .def(
+          "close",
+          [](PyStage& s) { s.stage().close(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def("stats", &PyStage::stats)
+      .def("describe", [](PyStage& s) { return s.stage().describe(); })
+      .def("buffered", [](PyStage& s) { return s.stage().buffered(); })
+      .def_property_readonly(
+          "started", [](PyStage& s) { return s.stage().started(); })
+      .def_property_readonly(
+          "closed", [](PyStage& s) { return s.stage().closed(); })
+      .def_property_readonly(
+          "failed", [](PyStage& s) { return s.stage().failed(); })
+      .def_property_readonly(
+          "finished", [](PyStage& s) { return s.stage().stats().finished; });
+
+  m.def(
+      "_add_stage_thread_pool",
+      &StagePools::add,
+      py::arg("inter_op_threads"),
+      py::arg("intra_op_threads"),
+      py::arg("global_name"));
+  m.def("_stage_thread_pool_count", &StagePools::count);
+  m.attr("_MAX_STAGE_STREAMS") = kMaxStageStreams;
+}
+
+} // namespace torch_stage::python

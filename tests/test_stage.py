@@ -1,0 +1,643 @@
+"""torch_stage.staged(), Stage, make_prefetch_hook() and stage thread pools."""
+
+import gc
+import logging
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from conftest import HANG_BOUND_S, devices
+
+import torch_stage
+from torch_stage import StageError, StageTimeoutError, staged
+
+
+def jittery(x):
+    # Finish out of order: a later item often overtakes an earlier one.
+    time.sleep(random.random() * 0.003)
+    return x
+
+
+def drain(stage):
+    return list(stage)
+
+
+# --- delivery ----------------------------------------------------------------
+
+
+def test_items_pass_through_unchanged():
+    items = [torch.arange(3), {"a": torch.ones(2), "b": [1, "x"]}, (torch.zeros(1), None), 7]
+    out = drain(staged(items))
+    assert out[0] is items[0]
+    assert out[1] is items[1] and out[3] == 7
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 16])
+def test_ordered_with_four_threads_keeps_source_order(capacity):
+    out = drain(staged(range(300), num_threads=4, capacity=capacity, transform=jittery))
+    assert out == list(range(300))
+
+
+def test_unordered_delivers_every_item_once():
+    out = drain(staged(range(300), num_threads=4, ordered=False, transform=jittery))
+    assert sorted(out) == list(range(300))
+
+
+def test_threads_run_the_transform_in_parallel():
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def work(x):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.01)  # releases the GIL, as torch ops do
+        with lock:
+            active[0] -= 1
+        return x
+
+    assert drain(staged(range(40), num_threads=4, capacity=8, transform=work)) == list(range(40))
+    assert peak[0] > 1
+
+
+def test_exactly_once_delivery_to_three_clients():
+    n = 3000
+    stage = staged(range(n), num_clients=3, capacity=4, num_threads=2)
+    got = [[] for _ in range(3)]
+
+    def consume(k):
+        for x in stage:
+            got[k].append(x)
+
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_BOUND_S)
+        assert not t.is_alive()
+    # Every client saw the end; together they saw every item exactly once.
+    assert sorted(sum(got, [])) == list(range(n))
+    for g in got:
+        assert g == sorted(g)  # each client sees source order
+
+
+def test_more_consumers_than_num_clients_take_turns():
+    stage = staged(range(600), num_clients=1, capacity=2)
+    got = [[], [], []]
+
+    def consume(k):
+        for x in stage:
+            got[k].append(x)
+
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_BOUND_S)
+        assert not t.is_alive()
+    assert sorted(sum(got, [])) == list(range(600))
+
+
+def test_callable_source_with_feed_dict_ends_on_a_closed_exception():
+    calls = []
+
+    def produce(scale, limit):
+        if len(calls) == limit:
+            raise EOFError("no more")
+        calls.append(1)
+        return torch.full((2,), float(len(calls) * scale))
+
+    stage = staged(
+        produce,
+        feed_dict={"scale": 2, "limit": 5},
+        closed_exception_types=(EOFError,),
+    )
+    assert [t[0].item() for t in stage] == [2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_stop_iteration_from_a_callable_ends_the_stream():
+    it = iter(range(4))
+    assert drain(staged(lambda: next(it))) == [0, 1, 2, 3]
+
+
+def test_items_before_a_closed_exception_are_delivered_with_many_threads():
+    def source():
+        yield from range(50)
+        raise EOFError
+
+    out = drain(
+        staged(
+            source(), num_threads=4, capacity=2, closed_exception_types=(StopIteration, EOFError)
+        )
+    )
+    assert out == list(range(50))
+
+
+def test_ignored_exceptions_skip_count_and_log(caplog):
+    def transform(x):
+        if x % 3 == 0:
+            raise KeyError(f"corrupt {x}")
+        return x
+
+    with caplog.at_level(logging.WARNING, logger="torch_stage"):
+        stage = staged(
+            range(10), transform=transform, ignored_exception_types=(KeyError,), name="skippy"
+        )
+        out = drain(stage)
+    assert out == [1, 2, 4, 5, 7, 8]
+    assert stage.stats()["skipped"] == 4
+    assert "stage 'skippy' skipped item 3: KeyError" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["source", "transform"])
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_an_error_is_raised_at_its_position_with_type_and_traceback(where, num_threads):
+    def source():
+        for i in range(20):
+            if where == "source" and i == 7:
+                raise ZeroDivisionError("bad record 7")
+            yield i
+
+    def transform(i):
+        if where == "transform" and i == 7:
+            raise ZeroDivisionError("bad record 7")
+        return jittery(i)
+
+    stage = staged(source(), num_threads=num_threads, capacity=3, transform=transform)
+    got = []
+    with pytest.raises(ZeroDivisionError, match="bad record 7") as info:
+        for x in stage:
+            got.append(x)
+    assert got == list(range(7))
+    # The traceback reaches into the producer's code.
+    frames = [f.name for f in info.traceback]
+    assert ("source" if where == "source" else "transform") in frames
+    # After the failure the stage has nothing more to give.
+    with pytest.raises(StageError, match="failed on an earlier item"):
+        next(iter(stage))
+    assert stage.stats()["errors"] == 1
+
+
+def test_transform_changing_structure_is_an_error_naming_the_item():
+    def transform(i):
+        return (torch.tensor(i), torch.tensor(i)) if i < 3 else [torch.tensor(i)]
+
+    with pytest.raises(ValueError, match="different structure for item 3"):
+        drain(staged(range(6), transform=transform))
+
+
+def test_stages_compose():
+    read = staged(range(100), name="read", capacity=4)
+    prep = staged(read, name="prep", transform=lambda x: x * 2, num_threads=2, capacity=4)
+    assert drain(prep) == [2 * x for x in range(100)]
+
+
+# --- timeouts, waiting and the GIL --------------------------------------------
+
+
+def test_timeout_names_the_stage_and_what_producers_do():
+    def slow():
+        time.sleep(2)
+        yield 1
+
+    stage = staged(slow(), timeout_millis=100, name="slowpoke")
+    with pytest.raises(StageTimeoutError) as info:
+        next(iter(stage))
+    message = str(info.value)
+    assert "stage 'slowpoke' delivered no item for" in message
+    assert "timeout_millis=100" in message
+    assert "producer 0: pulling from the source (item 0)" in message
+    assert isinstance(info.value, TimeoutError)
+    stage.close()
+
+
+def test_the_gil_is_not_held_while_a_consumer_waits(run_python):
+    # The source needs the GIL to produce: if the waiting consumer held it,
+    # the subprocess would deadlock and hit the bound.
+    proc = run_python(
+        """
+        import threading, time, torch_stage
+        def source():
+            for i in range(5):
+                time.sleep(0.05)
+                yield i
+        ticks = [0]
+        stop = threading.Event()
+        def ticker():
+            while not stop.is_set():
+                ticks[0] += 1
+        t = threading.Thread(target=ticker); t.start()
+        out = list(torch_stage.staged(source()))
+        stop.set(); t.join()
+        print(out, ticks[0] > 0)
+        """
+    )
+    assert proc.stdout.strip() == "[0, 1, 2, 3, 4] True"
+
+
+def test_gil_wait_is_measured():
+    stats = None
+    stage = staged(range(200), capacity=2)
+    for _ in stage:
+        sum(range(200))  # keep the GIL busy between takes
+    stats = stage.stats()
+    assert stats["gil_wait_s"] > 0
+    assert stats["source_s"] > 0
+
+
+# --- shutdown -----------------------------------------------------------------
+
+
+def forever():
+    i = 0
+    while True:
+        yield torch.full((4,), i)
+        i += 1
+
+
+def thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_close_stops_and_joins_promptly():
+    before = thread_count()
+    stage = staged(forever(), num_threads=3, capacity=2)
+    it = iter(stage)
+    next(it)
+    assert thread_count() >= before + 3
+    start = time.monotonic()
+    stage.close()
+    assert time.monotonic() - start < HANG_BOUND_S
+    assert thread_count() == before
+    with pytest.raises(torch_stage.StageClosed):
+        next(it)
+
+
+def test_context_manager_closes():
+    before = thread_count()
+    with staged(forever(), capacity=2) as stage:
+        assert next(iter(stage)).shape == (4,)
+    assert thread_count() == before
+    assert "closed" in repr(stage)
+
+
+def test_an_abandoned_iterator_is_collected_and_its_threads_stop():
+    before = thread_count()
+    for x in staged(forever(), num_threads=2, capacity=3):
+        if x[0] == 5:
+            break
+    gc.collect()
+    deadline = time.monotonic() + HANG_BOUND_S
+    while thread_count() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread_count() == before
+
+
+def test_interpreter_exit_with_running_stages(run_python):
+    proc = run_python(
+        """
+        import torch, torch_stage
+        def forever():
+            while True:
+                yield torch.ones(3)
+        stages = [torch_stage.staged(forever(), num_threads=2, capacity=2) for _ in range(3)]
+        for s in stages:
+            next(iter(s))
+        print("leaving")
+        """,
+        timeout=HANG_BOUND_S,
+    )
+    assert proc.stdout.strip() == "leaving"
+
+
+def test_keyboard_interrupt_reaches_a_waiting_consumer(run_python):
+    proc = run_python(
+        """
+        import os, signal, threading, time, torch_stage
+        def slow():
+            while True:
+                time.sleep(0.5)
+                yield 1
+        stage = torch_stage.staged(slow(), timeout_millis=60000)
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            for _ in stage:
+                pass
+        except KeyboardInterrupt:
+            print("interrupted")
+        """
+    )
+    assert proc.stdout.strip() == "interrupted"
+
+
+# --- make_prefetch_hook -----------------------------------------------------
+
+
+def test_prefetch_hook_primes_registered_and_new_stages_and_closes_them():
+    pulled = []
+
+    def source(tag):
+        for i in range(100):
+            pulled.append((tag, i))
+            yield i
+
+    before = staged(source("before"), capacity=2)
+    assert pulled == []  # lazily started
+    with torch_stage.make_prefetch_hook():
+        inside = staged(source("inside"), capacity=2)
+        # Both were started and primed before the first take.
+        assert ("before", 0) in pulled and ("inside", 0) in pulled
+        assert before._impl.buffered() >= 1 and inside._impl.buffered() >= 1
+        assert next(iter(before)) == 0
+    assert before._impl.closed and inside._impl.closed
+
+
+def test_prefetch_hook_primes_upstream_before_downstream():
+    with torch_stage.make_prefetch_hook():
+        read = staged(range(10), capacity=2, name="read")
+        prep = staged(read, capacity=2, transform=lambda x: x + 100, name="prep")
+        assert next(iter(prep)) == 100
+
+
+# --- thread pools ---------------------------------------------------------------
+
+
+def test_stage_thread_pool_names_threads_and_bounds_work():
+    pool = torch_stage.add_stage_thread_pool(
+        inter_op_threads=2, intra_op_threads=1, global_name="tsio"
+    )
+    active, peak, lock = [0], [0], threading.Lock()
+    names, intra = set(), set()
+
+    def work(x):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        names.add(open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip())
+        intra.add(torch.get_num_threads())
+        time.sleep(0.005)
+        with lock:
+            active[0] -= 1
+        return x
+
+    stages = [
+        staged(
+            range(30),
+            num_threads=3,
+            transform=work,
+            use_stage_subgraph_thread_pool=True,
+            stage_subgraph_thread_pool_id=pool,
+            name=f"p{k}",
+        )
+        for k in range(2)
+    ]
+    results = [None, None]
+
+    def consume(k):
+        results[k] = drain(stages[k])
+
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_BOUND_S)
+    assert results == [list(range(30))] * 2
+    # Six producers across two stages, never more than two at work at once.
+    assert 1 <= peak[0] <= 2
+    assert all(n.startswith("tsio:p") for n in names), names
+    assert intra == {1}
+
+
+def test_default_stage_threads_use_one_intra_op_thread_without_touching_others():
+    main_threads = torch.get_num_threads()
+    seen = drain(staged(range(3), transform=lambda x: torch.get_num_threads()))
+    assert seen == [1, 1, 1]
+    assert torch.get_num_threads() == main_threads
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert fresh == [main_threads]
+
+
+def test_pool_ids_count_from_zero_and_unknown_ids_are_errors():
+    first = torch_stage.add_stage_thread_pool(1, 1, "ids_a")
+    second = torch_stage.add_stage_thread_pool(1, 1, "ids_b")
+    assert second == first + 1
+    with pytest.raises(ValueError, match=f"stage_subgraph_thread_pool_id {second + 1} is unknown"):
+        staged(
+            range(3), use_stage_subgraph_thread_pool=True, stage_subgraph_thread_pool_id=second + 1
+        )
+    with pytest.raises(ValueError, match="already exists"):
+        torch_stage.add_stage_thread_pool(1, 1, "ids_a")
+    with pytest.raises(ValueError, match="inter_op_threads must be >= 1, got 0"):
+        torch_stage.add_stage_thread_pool(0, 1, "ids_c")
+
+
+# --- stats, drops, profiler ---------------------------------------------------------
+
+
+def test_stats_say_input_bound_and_compute_bound():
+    def slow_source():
+        for i in range(15):
+            time.sleep(0.01)
+            yield i
+
+    stage = staged(slow_source(), capacity=4)
+    drain(stage)
+    s = stage.stats()
+    assert s["bound"] == "input"
+    assert s["produced"] == s["consumed"] == 15
+
+    stage = staged(range(15), capacity=4)
+    for _ in stage:
+        time.sleep(0.01)
+    s = stage.stats()
+    assert s["bound"] == "compute"
+    assert s["max_occupancy"] == 4 and s["mean_occupancy"] > 2
+    for key in (
+        "skipped",
+        "dropped",
+        "discarded",
+        "consumer_wait_s",
+        "producer_blocked_s",
+        "transform_s",
+        "copy_s",
+        "gil_wait_s",
+    ):
+        assert key in s
+
+
+def test_producers_never_drop_unless_asked():
+    stage = staged(range(20), capacity=1)
+    it = iter(stage)
+    time.sleep(0.2)  # a slow consumer: producers wait, they do not drop
+    assert list(it) == list(range(20))
+    assert stage.stats()["dropped"] == 0
+
+
+def test_opt_in_put_timeout_drops_counts_and_warns():
+    stage = staged(range(50), capacity=1, put_timeout_millis=5, name="lossy")
+    it = iter(stage)
+    with pytest.warns(RuntimeWarning, match="stage 'lossy' dropped item"):
+        first = next(it)
+        time.sleep(0.3)
+        rest = list(it)
+        gc.collect()
+    got = [first, *rest]
+    dropped = stage.stats()["dropped"]
+    assert dropped > 0
+    assert len(got) + dropped == 50
+    assert got == sorted(got)
+
+
+def test_close_counts_discarded_items():
+    stage = staged(range(100), capacity=5)
+    it = iter(stage)
+    next(it)
+    deadline = time.monotonic() + HANG_BOUND_S
+    while stage._impl.buffered() < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    stage.close()
+    assert stage.stats()["discarded"] == 5
+
+
+def test_profiler_shows_stage_ranges():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        drain(staged(range(5), name="profiled", transform=lambda x: x))
+    names = {e.name for e in prof.events()}
+    assert "torch_stage/profiled/pull" in names
+    assert "torch_stage/profiled/process" in names
+
+
+# --- device staging -------------------------------------------------------------------
+
+
+def make_batch(i):
+    return {
+        "x": torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),
+        "y": torch.arange(8, dtype=torch.int64) + i,
+        "mask": torch.ones(8, dtype=torch.bool).t(),
+        "meta": {"id": i, "tags": ["a", "b"]},
+        "view": torch.arange(20.0)[::2],
+    }
+
+
+@pytest.mark.parametrize("device", devices())
+def test_device_staging_gives_the_cpu_results(device):
+    stage = staged(
+        (make_batch(i) for i in range(10)), device=device, capacity=3, stage_subgraph_stream_id=1
+    )
+    for i, batch in enumerate(stage):
+        expected = make_batch(i)
+        assert batch["meta"] == expected["meta"]
+        for key in ("x", "y", "mask", "view"):
+            assert batch[key].device.type == device
+            assert batch[key].dtype == expected[key].dtype
+            torch.testing.assert_close(batch[key].cpu(), expected[key], rtol=0, atol=0)
+    assert stage.stats()["consumed"] == 10
+
+
+@pytest.mark.cuda
+def test_cuda_staging_fuses_tensors_and_reuses_pinned_buffers():
+    stage = staged((make_batch(i) for i in range(50)), device="cuda", capacity=2)
+    for batch in stage:
+        # The fused tensors of one item share one device allocation.
+        assert batch["x"].untyped_storage().data_ptr() == batch["y"].untyped_storage().data_ptr()
+    s = stage.stats()
+    assert s["staged_items"] == 50
+    assert s["fused_tensors"] == 200
+    assert s["pinned_buffer_reuses"] >= 40
+    assert s["pinned_buffers"] <= 10
+
+
+def gpu_ms(fn):
+    begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    done.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(done)
+
+
+@pytest.mark.cuda
+def test_cuda_copy_overlaps_compute_on_the_consumer_stream():
+    n = 8
+    items = [torch.randn(16_000_000) for _ in range(n)]  # 64 MB each
+    pinned = items[0].pin_memory()
+    copy_ms = gpu_ms(lambda: pinned.to("cuda", non_blocking=True))
+    cycles = 10_000_000
+    sleep_ms = gpu_ms(lambda: torch.cuda._sleep(cycles))
+    cycles = max(1, int(cycles * copy_ms / sleep_ms))  # one step ~ one copy
+    sleep_ms = gpu_ms(lambda: torch.cuda._sleep(cycles))
+
+    stage = staged(iter(items), device="cuda", capacity=2, stage_subgraph_stream_id=1)
+    it = iter(stage)
+    next(it)  # the pipeline is primed
+    # The consumer stream's span over the remaining steps: sleeps, plus any
+    # time it spent waiting for copies that did not overlap with the sleeps.
+    span = gpu_ms(lambda: [torch.cuda._sleep(cycles) or x.sum() for x in it])
+    steps = n - 1
+    serial = steps * (sleep_ms + copy_ms)
+    assert span < steps * sleep_ms + 0.5 * steps * copy_ms, (span, sleep_ms, copy_ms, serial)
+
+
+@pytest.mark.cuda
+def test_cuda_consumer_stream_waits_for_the_copy():
+    side = torch.cuda.Stream()
+    stage = staged(
+        (torch.full((1 << 20,), float(i)) for i in range(20)),
+        device="cuda",
+        stage_subgraph_stream_id=2,
+    )
+    with torch.cuda.stream(side):
+        for i, x in enumerate(stage):
+            assert x.device.type == "cuda"
+            assert x.sum().item() == float(i) * (1 << 20)
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"capacity": 0}, ValueError, "capacity must be >= 1, got 0"),
+        ({"num_threads": 0}, ValueError, "num_threads must be >= 1, got 0"),
+        ({"num_clients": -1}, ValueError, "num_clients must be >= 1, got -1"),
+        ({"timeout_millis": 0}, ValueError, "timeout_millis must be > 0, got 0"),
+        ({"timeout_millis": 1.5}, TypeError, "timeout_millis must be an int"),
+        ({"closed_exception_types": (StopIteration, int)}, TypeError, "exception classes only"),
+        ({"ignored_exception_types": ("KeyError",)}, TypeError, "exception classes only"),
+        ({"stage_subgraph_stream_id": 32}, ValueError, r"in \[0, 32\)"),
+        ({"stage_subgraph_stream_id": -1}, ValueError, "got -1"),
+        (
+            {"use_stage_subgraph_thread_pool": True, "stage_subgraph_thread_pool_id": 999},
+            ValueError,
+            "999 is unknown",
+        ),
+        ({"device": "cuda:7"}, ValueError, "does not exist"),
+        ({"device": "nonsense"}, ValueError, "is not a device"),
+        ({"transform": 3}, TypeError, "transform must be callable"),
+        ({"put_timeout_millis": 0}, ValueError, "put_timeout_millis must be >= 1"),
+        ({"name": ""}, TypeError, "non-empty str"),
+    ],
+)
+def test_bad_arguments_fail_before_any_thread_starts(kwargs, error, text):
+    before = thread_count()
+    with pytest.raises(error, match=text):
+        staged(range(3), **kwargs)
+    assert thread_count() == before
+
+
+def test_bad_sources():
+    with pytest.raises(TypeError, match="source must be an iterable, an iterator or a callable"):
+        staged(42)
+    with pytest.raises(TypeError, match="source must be callable"):
+        staged(range(3), feed_dict={"a": 1})
+    with pytest.raises(TypeError, match="feed_dict must be a dict"):
+        staged(lambda: 1, feed_dict={1: 2})

@@ -1,0 +1,67 @@
+"""Helpers the C++ stage runtime calls, with the GIL, for Python items.
+
+Items are any nesting of lists, tuples, dicts and namedtuples (a pytree);
+device staging takes the tensors out (flatten), copies them, and the consumer
+rebuilds the item around the copies (unflatten). Non-tensor leaves pass
+through unchanged.
+"""
+
+import logging
+
+import torch
+from torch.utils import _pytree as pytree
+
+_log = logging.getLogger("torch_stage")
+
+
+def flatten(obj):
+    """Split an item into its tensors and what rebuilds it around them."""
+    leaves, spec = pytree.tree_flatten(obj)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in positions]
+    for i in positions:
+        leaves[i] = None
+    return tensors, (spec, positions, leaves)
+
+
+def unflatten(tensors, rest):
+    spec, positions, leaves = rest
+    leaves = list(leaves)
+    for i, t in zip(positions, tensors):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def structure(obj):
+    """The structure of an item: its pytree spec and where its tensors are."""
+    leaves, spec = pytree.tree_flatten(obj)
+    return spec, tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+
+
+def check_structure(obj, first, index):
+    """Raise if a transformed item's structure differs from the first one's.
+
+    Returns the structure (the caller keeps the first).
+    """
+    current = structure(obj)
+    if first is not None and current != first:
+        raise ValueError(
+            f"the transform returned a different structure for item {index} than "
+            f"for the first item: {_describe(current)} instead of {_describe(first)}"
+        )
+    return current
+
+
+def _describe(struct):
+    spec, positions = struct
+    return f"{spec} with tensors at leaves {list(positions)}"
+
+
+def on_skip(stage, index, exc):
+    _log.warning(
+        "stage '%s' skipped item %d: %s: %s (in ignored_exception_types)",
+        stage,
+        index,
+        type(exc).__name__,
+        exc,
+    )

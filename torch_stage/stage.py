@@ -1,0 +1,404 @@
+"""Staged prefetch: ``staged()``, ``Stage``, ``make_prefetch_hook()`` and stage
+thread pools (the PyTorch counterpart of DeepRec's ``tf.staged``)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from torch_stage import _C, _pytree
+from torch_stage.errors import StageTimeoutError
+
+__all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
+
+_MAX_STREAMS = _C._MAX_STAGE_STREAMS
+_names = itertools.count()
+_creation = itertools.count()
+_live: weakref.WeakSet[Stage] = weakref.WeakSet()
+_hooks: list = []  # stage lists of the active make_prefetch_hook contexts
+_registry_lock = threading.Lock()
+# How long close() waits for a producer stuck in user code before leaving it.
+_JOIN_TIMEOUT_MS = 10_000
+
+
+def _check_int(name: str, value, minimum: int, rule: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return value
+
+
+def _check_exception_types(name: str, types) -> tuple:
+    if isinstance(types, type):
+        types = (types,)
+    if not isinstance(types, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of exception classes, got {types!r}")
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise TypeError(f"{name} must hold exception classes only, got {t!r}")
+    return tuple(types)
+
+
+def _check_device(device) -> Optional[torch.device]:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return dev
+    module = getattr(torch, dev.type, None)
+    available = module is not None and getattr(module, "is_available", lambda: False)()
+    count = module.device_count() if available else 0
+    index = dev.index if dev.index is not None else 0
+    if index >= count:
+        raise ValueError(
+            f"device {device!r} does not exist: {count} {dev.type} device(s) are visible"
+        )
+    return dev
+
+
+class Stage:
+    """Items of a source, produced ahead by background C++ threads.
+
+    Made by :func:`staged`; see it for the arguments. A stage is a one-pass
+    stream: iterate it (from several threads if need be) to get the items,
+    in source order when ``ordered``. It starts on first use, or
+    eagerly under :func:`make_prefetch_hook`, and stops on :meth:`close`,
+    when leaving a ``with`` block, when garbage collected, and at interpreter
+    exit.
+    """
+
+    def __init__(self, source, *, _options: dict):
+        self._name = _options["name"]
+        self._order = next(_creation)
+        self._timeout_ms = _options["timeout_ms"]
+        self._impl = _C._Stage(
+            source=source,
+            helpers=_pytree,
+            warn=_warn,
+            join_timeout_ms=_JOIN_TIMEOUT_MS,
+            **_options,
+        )
+        with _registry_lock:
+            _live.add(self)
+            hook = _hooks[-1] if _hooks else None
+            if hook is not None:
+                hook.append(self)
+        if hook is not None:
+            self._prime()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def start(self) -> None:
+        """Start the producer threads now (otherwise the first take does)."""
+        self._impl.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        """A consumer's iterator. Several threads may each iterate the stage:
+        every item goes to exactly one of them and each sees the end."""
+        return _Client(self)
+
+    def close(self) -> None:
+        """Stop the producers and join them; buffered items are discarded."""
+        impl = getattr(self, "_impl", None)
+        if impl is not None:
+            impl.close()
+
+    def stats(self) -> dict:
+        """Counters and times, enough to tell input-bound from compute-bound.
+
+        ``produced``, ``consumed``, ``skipped`` (ignored exceptions),
+        ``dropped`` (only with the opt-in ``put_timeout_millis``),
+        ``discarded`` (buffered when closed), ``errors``; seconds spent:
+        ``consumer_wait_s`` (consumers waiting for items: input-bound when
+        large), ``producer_blocked_s`` (producers waiting for space or for
+        their turn: compute-bound when large), ``source_s``, ``transform_s``,
+        ``copy_s`` (device staging on the host), ``gil_wait_s`` (producers
+        waiting for the GIL); ``mean_occupancy`` and ``max_occupancy`` of the
+        buffer as consumers found it, ``capacity``; ``bound``: "input",
+        "compute" or "balanced" by those waits.
+        """
+        s = self._impl.stats()
+        wait, blocked = s["consumer_wait_s"], s["producer_blocked_s"]
+        if wait > 2 * blocked and wait > 0:
+            s["bound"] = "input"
+        elif blocked > 2 * wait and blocked > 0:
+            s["bound"] = "compute"
+        else:
+            s["bound"] = "balanced"
+        return s
+
+    def describe(self) -> str:
+        """What each producer thread is doing now."""
+        return self._impl.describe()
+
+    def _prime(self) -> None:
+        # Warm-up as tf_cnn_benchmarks does: one item in the buffer before the
+        # first step, so the first step does not wait for a full pipeline.
+        self._impl.start()
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while self._impl.buffered() == 0 and not self._impl.finished:
+            if time.monotonic() > deadline:
+                raise StageTimeoutError(
+                    f"stage '{self._name}' produced no item within timeout_millis="
+                    f"{self._timeout_ms} while priming: {self._impl.describe()}"
+                )
+            time.sleep(0.001)
+
+    def __enter__(self) -> Stage:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._impl.closed else "started" if self._impl.started else "new"
+        return f"Stage(name={self._name!r}, {state})"
+
+
+class _Client:
+    """One consumer's iterator over a stage."""
+
+    __slots__ = ("_stage", "_next", "_done")
+
+    def __init__(self, stage: Stage):
+        self._stage = stage  # keeps the stage open while it is iterated
+        self._next = stage._impl.next
+        self._done = False
+
+    def __iter__(self) -> _Client:
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        try:
+            return self._next()
+        except StopIteration:
+            self._done = True
+            raise
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def staged(
+    source,
+    *,
+    capacity: int = 1,
+    num_threads: int = 1,
+    num_clients: int = 1,
+    timeout_millis: int = 300_000,
+    closed_exception_types=(StopIteration,),
+    ignored_exception_types=(),
+    use_stage_subgraph_thread_pool: bool = False,
+    stage_subgraph_thread_pool_id: int = 0,
+    stage_subgraph_stream_id: int = 0,
+    name: Optional[str] = None,
+    feed_dict: Optional[dict] = None,
+    device=None,
+    transform: Optional[Callable[[Any], Any]] = None,
+    ordered: bool = True,
+    put_timeout_millis: Optional[int] = None,
+) -> Stage:
+    """Produce the items of ``source`` ahead of the consumer, in C++ threads.
+
+    The PyTorch counterpart of DeepRec's ``tf.staged``: reading (the source),
+    the per-item work (``transform``) and the copy to ``device`` run in
+    background threads into a bounded buffer, so a training step costs
+    ``max(data, compute)`` instead of ``data + compute``.
+
+    Args:
+        source: an iterable or iterator (a DataLoader, a generator, another
+            Stage), or, if not iterable, a callable re-run for every item
+            (with ``feed_dict`` as keyword arguments). Items are tensors,
+            lists, tuples, dicts or any nesting of them; other leaves pass
+            through unchanged. Exhausting an iterable ends the stream.
+        capacity: finished items that may wait in the buffer (>= 1).
+        num_threads: producer threads (>= 1); the source is read by one at a
+            time, the transform and the copy run on all at once.
+        num_clients: consumers served at once (>= 1; DeepRec's Take pool).
+            Any number of threads may iterate the stage; beyond
+            ``num_clients`` they wait for a turn. Each item goes to exactly
+            one consumer, and every consumer sees the end of the stream.
+        timeout_millis: how long a consumer waits for an item before
+            :class:`~torch_stage.StageTimeoutError`, which says what the
+            producers are doing (> 0).
+        closed_exception_types: exceptions from the source or transform that
+            end the stream; the items before are delivered first.
+        ignored_exception_types: exceptions that skip the item (counted in
+            ``stats()["skipped"]`` and logged to the ``torch_stage`` logger).
+            Any other exception stops the producers and is raised to the
+            consumer at that item's position, with its type and traceback.
+        use_stage_subgraph_thread_pool: run the producers under a pool from
+            :func:`add_stage_thread_pool`...
+        stage_subgraph_thread_pool_id: ...this one (the id it returned).
+            Otherwise producers use the default settings: one intra-op thread
+            each, named ``torch_stage:<name>:<i>``.
+        stage_subgraph_stream_id: with ``device``, the pool stream the copies
+            run on; 0 is the consumer's current stream. Consumers' streams
+            always wait for the copy before they get the item.
+        name: the stage's name, in errors, thread names and profiler ranges.
+        feed_dict: keyword arguments for a callable source.
+        device: copy items' tensors to this device (pinned, fused, reused host
+            buffers; one non-blocking copy per item). None: no copy.
+        transform: per-item work, run by the producer threads in parallel.
+            Every item must come out with the structure of the first.
+        ordered: deliver in source order even with several threads (True) or
+            as items finish (False).
+        put_timeout_millis: opt-in DeepRec behaviour: a producer that waits
+            this long for buffer space discards its item (counted in
+            ``stats()["dropped"]`` and warned). None (default): never drop.
+
+    Returns:
+        The :class:`Stage`. Iterate it; ``with staged(...) as stage:`` closes
+        it on exit.
+
+    Raises:
+        ValueError, TypeError: a bad argument, before any thread starts.
+    """
+    _check_int("capacity", capacity, 1, ">= 1")
+    _check_int("num_threads", num_threads, 1, ">= 1")
+    _check_int("num_clients", num_clients, 1, ">= 1")
+    _check_int("timeout_millis", timeout_millis, 1, "> 0")
+    closed = _check_exception_types("closed_exception_types", closed_exception_types)
+    ignored = _check_exception_types("ignored_exception_types", ignored_exception_types)
+    _check_int(
+        "stage_subgraph_stream_id",
+        stage_subgraph_stream_id,
+        0,
+        f"in [0, {_MAX_STREAMS}) (0 is the consumer's current stream)",
+    )
+    if stage_subgraph_stream_id >= _MAX_STREAMS:
+        raise ValueError(
+            f"stage_subgraph_stream_id must be in [0, {_MAX_STREAMS}) (PyTorch's "
+            f"stream pool holds {_MAX_STREAMS} streams before they alias), "
+            f"got {stage_subgraph_stream_id}"
+        )
+    pool_index = 0
+    if use_stage_subgraph_thread_pool:
+        _check_int("stage_subgraph_thread_pool_id", stage_subgraph_thread_pool_id, 0, ">= 0")
+        pools = _C._stage_thread_pool_count() - 1
+        if stage_subgraph_thread_pool_id >= pools:
+            raise ValueError(
+                f"stage_subgraph_thread_pool_id {stage_subgraph_thread_pool_id} is unknown: "
+                f"{pools} pool(s) were added with add_stage_thread_pool "
+                f"(valid ids: {list(range(pools))})"
+            )
+        pool_index = stage_subgraph_thread_pool_id + 1
+    if put_timeout_millis is not None:
+        _check_int("put_timeout_millis", put_timeout_millis, 1, ">= 1 (or None)")
+    if name is None:
+        name = f"stage_{next(_names)}"
+    elif not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+    if feed_dict is not None:
+        if not isinstance(feed_dict, dict) or not all(isinstance(k, str) for k in feed_dict):
+            raise TypeError(f"feed_dict must be a dict with str keys, got {feed_dict!r}")
+        if not callable(source):
+            raise TypeError("feed_dict is given, so source must be callable")
+    iterable = feed_dict is None and (hasattr(source, "__iter__") or hasattr(source, "__getitem__"))
+    if not iterable and not callable(source):
+        raise TypeError(
+            f"source must be an iterable, an iterator or a callable, got {type(source).__name__}"
+        )
+    dev = _check_device(device)
+    return Stage(
+        source,
+        _options=dict(
+            call_source=not iterable,
+            feed_dict=dict(feed_dict or {}),
+            transform=transform,
+            closed_types=closed,
+            ignored_types=ignored,
+            name=name,
+            capacity=capacity,
+            num_threads=num_threads,
+            num_clients=num_clients,
+            timeout_ms=timeout_millis,
+            ordered=bool(ordered),
+            pool_id=pool_index,
+            device=dev,
+            stream_id=stage_subgraph_stream_id,
+            put_timeout_ms=put_timeout_millis,
+        ),
+    )
+
+
+def add_stage_thread_pool(
+    inter_op_threads: int = 1, intra_op_threads: int = 1, global_name: str = ""
+) -> int:
+    """Add an independent pool for stage work (DeepRec's
+    ``session_stage_subgraph_thread_pool``) and return its id.
+
+    Stages select it with ``use_stage_subgraph_thread_pool=True,
+    stage_subgraph_thread_pool_id=<id>``. Their producer threads carry
+    ``global_name`` (visible in ``top -H`` and profilers), use
+    ``intra_op_threads`` intra-op threads each (so staging does not take the
+    training step's cores), and at most ``inter_op_threads`` of them, across
+    every stage of the pool, do stage work at once. A producer holds its slot
+    only while it reads and processes an item, not while it waits for buffer
+    space, so stages sharing a pool cannot starve one another.
+
+    Ids count from 0 in the order pools are added.
+    """
+    _check_int("inter_op_threads", inter_op_threads, 1, ">= 1")
+    _check_int("intra_op_threads", intra_op_threads, 1, ">= 1")
+    if not isinstance(global_name, str):
+        raise TypeError(f"global_name must be a str, got {type(global_name).__name__}")
+    if not global_name:
+        global_name = f"stage_pool_{_C._stage_thread_pool_count() - 1}"
+    return _C._add_stage_thread_pool(inter_op_threads, intra_op_threads, global_name) - 1
+
+
+@contextlib.contextmanager
+def make_prefetch_hook():
+    """Start stages eagerly, primed, and stop them on exit.
+
+    Every open stage made before entering, and every stage made inside, is
+    started and primed with one item (the warm-up of TensorFlow's staged
+    input pipeline: the first step finds its input ready), in creation
+    order so that an upstream stage primes before the stages that read it.
+    On exit all of them are closed and their threads joined. Stages also
+    start on first use without the hook, so forgetting it never hangs.
+    """
+    with _registry_lock:
+        stages = sorted((s for s in _live if not s._impl.closed), key=lambda s: s._order)
+        mine = list(stages)
+        _hooks.append(mine)
+    try:
+        for stage in stages:
+            stage._prime()
+        yield
+    finally:
+        with _registry_lock:
+            _hooks.remove(mine)
+        for stage in mine:
+            stage.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    # C++ producer threads are not joined by threading's shutdown; stop them
+    # before the interpreter goes away.
+    for stage in list(_live):
+        stage.close()

@@ -17,16 +17,28 @@ from torch_stage.errors import (  # noqa: E402
     StageError,
     StageTimeoutError,
 )
+from torch_stage.loader import DataLoader  # noqa: E402
+from torch_stage.stage import (  # noqa: E402
+    Stage,
+    add_stage_thread_pool,
+    make_prefetch_hook,
+    staged,
+)
 from torch_stage.staging import StagingArea  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataLoader",
+    "Stage",
     "StageCancelled",
     "StageClosed",
     "StageError",
     "StageTimeoutError",
     "StagingArea",
+    "add_stage_thread_pool",
     "build_info",
     "library_path",
+    "make_prefetch_hook",
+    "staged",
 ]

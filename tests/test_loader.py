@@ -1,0 +1,196 @@
+"""torch_stage.DataLoader: a drop-in torch.utils.data.DataLoader with staging."""
+
+import pytest
+import torch
+import torch.utils.data as tud
+from conftest import devices
+
+import torch_stage
+
+
+class Squares(tud.Dataset):
+    """Items carry a random draw so that worker seeding shows in the data."""
+
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": torch.tensor(i), "x": torch.full((3,), float(i * i)), "r": torch.rand(1)}
+
+
+class Counting(tud.IterableDataset):
+    def __init__(self, n=30):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n).split(1))
+
+
+def batches(loader):
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            torch.testing.assert_close(x[k].cpu(), y[k].cpu(), rtol=0, atol=0)
+
+
+def pair(seed=0, **kwargs):
+    """A torch_stage.DataLoader and a plain one with identical settings."""
+    ours = torch_stage.DataLoader(
+        Squares(), generator=torch.Generator().manual_seed(seed), **kwargs
+    )
+    plain_kwargs = {
+        k: v for k, v in kwargs.items() if k not in ("capacity", "num_threads", "device")
+    }
+    plain = tud.DataLoader(Squares(), generator=torch.Generator().manual_seed(seed), **plain_kwargs)
+    return ours, plain
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_same_batches_as_the_plain_dataloader(num_workers, shuffle):
+    ours, plain = pair(batch_size=6, shuffle=shuffle, num_workers=num_workers, capacity=3)
+    assert len(ours) == len(plain) == 7
+    torch.manual_seed(1)
+    a = batches(ours)
+    torch.manual_seed(1)
+    b = batches(plain)
+    assert_same(a, b)
+
+
+def test_drop_last_collate_fn_and_worker_init_fn():
+    seen = []
+
+    def collate(items):
+        return {"sum": torch.stack([it["x"] for it in items]).sum(0)}
+
+    ours = torch_stage.DataLoader(
+        Squares(),
+        batch_size=7,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=1,
+        worker_init_fn=lambda wid: seen.append(wid),
+    )
+    out = list(ours)
+    assert len(out) == len(ours) == 5
+    expected = sum(float(i * i) for i in range(7))
+    assert out[0]["sum"].tolist() == [expected] * 3
+
+
+def test_persistent_workers_over_two_epochs():
+    ours, plain = pair(batch_size=5, shuffle=True, num_workers=2, persistent_workers=True)
+    torch.manual_seed(3)
+    a = [batches(ours), batches(ours)]
+    torch.manual_seed(3)
+    b = [batches(plain), batches(plain)]
+    for x, y in zip(a, b):
+        assert_same(x, y)
+
+
+def test_distributed_sampler_set_epoch_reaches_the_sampler():
+    ds = Squares(40)
+    ours_sampler = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=7)
+    plain_sampler = tud.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=7)
+    ours = torch_stage.DataLoader(ds, batch_size=4, sampler=ours_sampler)
+    plain = tud.DataLoader(ds, batch_size=4, sampler=plain_sampler)
+    assert ours.sampler is ours_sampler
+    orders = []
+    for epoch in (0, 5):
+        ours.sampler.set_epoch(epoch)
+        plain.sampler.set_epoch(epoch)
+        a = [b["i"].tolist() for b in ours]
+        b = [b["i"].tolist() for b in plain]
+        assert a == b
+        orders.append(a)
+    assert orders[0] != orders[1]  # the epoch reached the sampler
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_mid_epoch_repeats_and_skips_nothing(num_workers):
+    def make():
+        return torch_stage.DataLoader(
+            Squares(), batch_size=3, shuffle=True, num_workers=num_workers, capacity=4
+        )
+
+    torch.manual_seed(11)
+    full = batches(make())
+
+    torch.manual_seed(11)
+    loader = make()
+    it = iter(loader)
+    first = [next(it) for _ in range(5)]
+    # More batches are staged than were consumed; they must not count.
+    state = loader.state_dict()
+    assert state["consumed"] == 5
+    # Its producers read ahead, drawing from the global RNG; stop them before
+    # another loader restores that RNG in this process.
+    loader.close()
+
+    torch.manual_seed(999)  # the resumed run may be anywhere else
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = batches(resumed)
+    # The same items in the same order: none repeated, none skipped. (Random
+    # augmentation draws after the resume point differ: the skipped batches
+    # are never loaded, so they do not advance the RNG.)
+    assert [b["i"].tolist() for b in first + rest] == [b["i"].tolist() for b in full]
+    assert_same([{"x": b["x"]} for b in first + rest], [{"x": b["x"]} for b in full])
+    assert resumed.state_dict() == {"version": 1, "in_epoch": False}
+
+
+def test_resume_an_iterable_dataset():
+    loader = torch_stage.DataLoader(Counting(30), batch_size=4, capacity=3)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    other = torch_stage.DataLoader(Counting(30), batch_size=4)
+    other.load_state_dict(state)
+    rest = [b.tolist() for b in other]
+    assert head + rest == [b.tolist() for b in tud.DataLoader(Counting(30), batch_size=4)]
+
+
+def test_a_new_epoch_closes_the_previous_stage():
+    loader = torch_stage.DataLoader(Squares(), batch_size=2, capacity=4)
+    it = iter(loader)
+    next(it)
+    first_stage = loader._stage
+    assert len(list(loader)) == len(loader)
+    assert first_stage._impl.closed
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batches_arrive_on_the_device(device):
+    ours, plain = pair(batch_size=4, num_workers=0, device=device, capacity=2)
+    torch.manual_seed(0)
+    a = list(ours)
+    torch.manual_seed(0)
+    b = batches(plain)
+    for batch in a:
+        assert all(v.device.type == device for v in batch.values())
+    assert_same(a, b)
+    assert ours.stats()["consumed"] == len(ours)
+
+
+def test_bad_staging_arguments_fail_at_construction():
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        torch_stage.DataLoader(Squares(), capacity=0)
+    with pytest.raises(ValueError, match="does not exist"):
+        torch_stage.DataLoader(Squares(), device="cuda:9")
+    with pytest.raises(ValueError, match="num_workers"):
+        torch_stage.DataLoader(Squares(), num_workers=-1)
+    with pytest.raises(ValueError, match="not a torch_stage.DataLoader state"):
+        torch_stage.DataLoader(Squares()).load_state_dict({"consumed": 3})
+
+
+def test_is_a_torch_dataloader():
+    loader = torch_stage.DataLoader(Squares(), batch_size=8)
+    assert isinstance(loader, tud.DataLoader)
+    assert loader.batch_size == 8

@@ -93,10 +93,11 @@ test: build
 	exit $$rc
 
 demo: build
-	$(PY) examples/staging_area_demo.py
+	$(PY) examples/demo.py
 
 bench: build
 	$(PY) benchmarks/buffer_throughput.py
+	$(PY) benchmarks/overlap.py
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 

@@ -1,0 +1,138 @@
+"""torch_stage's headline demonstration: the classic input-queue experiment.
+
+A 2-layer MLP (1024 -> 1024 -> 1, ReLU, Adam with lr 1e-2) learns whether a
+row of random-normal numbers sums to more than zero. The data side makes each
+batch (128 x 1024 inputs, labels = row sum > 0). The plain loop makes a batch
+and then trains on it; the staged loop lets torch_stage make the batches in a
+background thread (and copy them to the GPU when there is one) while the
+model trains. The classic queue tutorial reports 18 s -> 11.5 s for 5000 steps
+on a GTX Titan X.
+
+Prints both times, their ratio and the stage's stats() as JSON.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+import torch_stage
+
+
+def make_batch(batch: int, width: int, device: torch.device):
+    """The data side: random inputs and their labels."""
+    x = torch.randn(batch, width)
+    y = (x.sum(dim=1, keepdim=True) > 0).float()
+    if device.type != "cpu":
+        x, y = x.to(device), y.to(device)
+    return x, y
+
+
+def make_model(width: int, device: torch.device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)
+    ).to(device)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train_step(model, opt, x, y) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of the two loops")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--capacity", type=int, default=4)
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cpu = torch.device("cpu")
+    chunk = max(1, args.steps // args.rounds)
+
+    plain_model, plain_opt = make_model(args.width, device)
+    staged_model, staged_opt = make_model(args.width, device)
+    # Warm-up (allocator, kernels) outside the timings.
+    for model, opt in ((plain_model, plain_opt), (staged_model, staged_opt)):
+        x, y = make_batch(args.batch, args.width, cpu)
+        train_step(model, opt, x.to(device), y.to(device))
+
+    # The two loops alternate in rounds, so that both see the same machine:
+    # a busy neighbour slows them alike instead of skewing the ratio.
+    plain_s = staged_s = 0.0
+    totals: dict = {}
+    for _ in range(args.rounds):
+        # Plain loop: make a batch, then train on it.
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(chunk):
+            x, y = make_batch(args.batch, args.width, cpu)
+            plain_loss = train_step(plain_model, plain_opt, x.to(device), y.to(device))
+        sync(device)
+        plain_s += time.perf_counter() - start
+
+        # Staged: torch_stage makes the batches (and copies them to the
+        # device) in the background while the model trains. The stage starts
+        # on the first next(), inside the timing.
+        stage = torch_stage.staged(
+            lambda: make_batch(args.batch, args.width, cpu),
+            capacity=args.capacity,
+            num_threads=args.num_threads,
+            device=None if device.type == "cpu" else device,
+            stage_subgraph_stream_id=1,
+            name="demo_input",
+        )
+        with stage:
+            sync(device)
+            start = time.perf_counter()
+            batches = iter(stage)
+            for _ in range(chunk):
+                x, y = next(batches)
+                staged_loss = train_step(staged_model, staged_opt, x, y)
+            sync(device)
+            staged_s += time.perf_counter() - start
+            for key, value in stage.stats().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if key in ("capacity", "max_occupancy", "mean_occupancy"):
+                        totals[key] = max(totals.get(key, 0), value)
+                    else:
+                        totals[key] = totals.get(key, 0) + value
+
+    print(
+        json.dumps(
+            {
+                "device": str(device),
+                "steps": chunk * args.rounds,
+                "plain_loop_s": round(plain_s, 3),
+                "torch_stage_s": round(staged_s, 3),
+                "speedup": round(plain_s / staged_s, 3),
+                "final_loss": {
+                    "plain": round(plain_loss.item(), 4),
+                    "staged": round(staged_loss.item(), 4),
+                },
+                "stage_stats": {
+                    k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()
+                },
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ through unchanged.
 """
 
 import logging
+import threading
 
 import torch
 from torch.utils import _pytree as pytree
@@ -38,18 +39,29 @@ def structure(obj):
     return spec, tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
 
 
-def check_structure(obj, first, index):
-    """Raise if a transformed item's structure differs from the first one's.
+class StructureChecker:
+    """Checks that every transformed item has the first item's structure.
 
-    Returns the structure (the caller keeps the first).
+    Producer threads call it concurrently; Python code can switch threads
+    at any point, so the first structure is set and read under a lock.
     """
-    current = structure(obj)
-    if first is not None and current != first:
-        raise ValueError(
-            f"the transform returned a different structure for item {index} than "
-            f"for the first item: {_describe(current)} instead of {_describe(first)}"
-        )
-    return current
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._first = None
+
+    def __call__(self, obj, index):
+        current = structure(obj)
+        with self._lock:
+            if self._first is None:
+                self._first = current
+                return
+            first = self._first
+        if current != first:
+            raise ValueError(
+                f"the transform returned a different structure for item {index} than "
+                f"for the first item: {_describe(current)} instead of {_describe(first)}"
+            )
 
 
 def _describe(struct):

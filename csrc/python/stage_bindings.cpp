@@ -97,7 +97,7 @@ class PyStageWork final : public StageWork {
         closed_types_(std::move(closed_types)),
         ignored_types_(std::move(ignored_types)),
         flatten_(helpers.attr("flatten")),
-        check_structure_(helpers.attr("check_structure")),
+        check_structure_(helpers.attr("StructureChecker")()),
         on_skip_(helpers.attr("on_skip")),
         flatten_for_device_(flatten_for_device) {}
 
@@ -111,8 +111,7 @@ class PyStageWork final : public StageWork {
           static_cast<py::object*>(&ignored_types_),
           &flatten_,
           &check_structure_,
-          &on_skip_,
-          &first_structure_}) {
+          &on_skip_}) {
       drop(*obj);
     }
   }
@@ -155,7 +154,7 @@ class PyStageWork final : public StageWork {
     try {
       PyPayload& payload = payload_of(item);
       py::object out = transform_(payload.obj);
-      check_structure(out, item.index);
+      check_structure_(out, item.index);
       payload.obj = std::move(out);
       return Outcome::kItem;
     } catch (py::error_already_set& e) {
@@ -203,15 +202,6 @@ class PyStageWork final : public StageWork {
     std::optional<py::gil_scoped_acquire> gil_;
   };
 
-  // Called with the GIL held.
-  void check_structure(const py::object& out, int64_t index) {
-    py::object structure = check_structure_(
-        out, first_structure_ ? first_structure_ : py::none(), index);
-    if (!first_structure_) {
-      first_structure_ = std::move(structure);
-    }
-  }
-
   // Called with the GIL held; the Python error is in `e`.
   Outcome classify(py::error_already_set& e, int64_t index, StageItem& item) {
     if (PyErr_GivenExceptionMatches(e.type().ptr(), closed_types_.ptr())) {
@@ -250,9 +240,8 @@ class PyStageWork final : public StageWork {
   py::tuple closed_types_;
   py::tuple ignored_types_;
   py::object flatten_;
-  py::object check_structure_;
+  py::object check_structure_; // a _pytree.StructureChecker
   py::object on_skip_;
-  py::object first_structure_; // set by the first transformed item
   const bool flatten_for_device_;
   std::atomic<int64_t> gil_wait_ns_{0};
 };

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torch_stage import _C, _pytree
+from torch_stage._checks import check_int
 from torch_stage.errors import StageTimeoutError
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
@@ -27,14 +28,6 @@ _hooks: list = []  # stage lists of the active make_prefetch_hook contexts
 _registry_lock = threading.Lock()
 # How long close() waits for a producer stuck in user code before leaving it.
 _JOIN_TIMEOUT_MS = 10_000
-
-
-def _check_int(name: str, value, minimum: int, rule: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be {rule}, got {value}")
-    return value
 
 
 def _check_exception_types(name: str, types) -> tuple:
@@ -274,13 +267,13 @@ def staged(
     Raises:
         ValueError, TypeError: a bad argument, before any thread starts.
     """
-    _check_int("capacity", capacity, 1, ">= 1")
-    _check_int("num_threads", num_threads, 1, ">= 1")
-    _check_int("num_clients", num_clients, 1, ">= 1")
-    _check_int("timeout_millis", timeout_millis, 1, "> 0")
+    check_int("capacity", capacity, 1, ">= 1")
+    check_int("num_threads", num_threads, 1, ">= 1")
+    check_int("num_clients", num_clients, 1, ">= 1")
+    check_int("timeout_millis", timeout_millis, 1, "> 0")
     closed = _check_exception_types("closed_exception_types", closed_exception_types)
     ignored = _check_exception_types("ignored_exception_types", ignored_exception_types)
-    _check_int(
+    check_int(
         "stage_subgraph_stream_id",
         stage_subgraph_stream_id,
         0,
@@ -294,7 +287,7 @@ def staged(
         )
     pool_index = 0
     if use_stage_subgraph_thread_pool:
-        _check_int("stage_subgraph_thread_pool_id", stage_subgraph_thread_pool_id, 0, ">= 0")
+        check_int("stage_subgraph_thread_pool_id", stage_subgraph_thread_pool_id, 0, ">= 0")
         pools = _C._stage_thread_pool_count() - 1
         if stage_subgraph_thread_pool_id >= pools:
             raise ValueError(
@@ -304,7 +297,7 @@ def staged(
             )
         pool_index = stage_subgraph_thread_pool_id + 1
     if put_timeout_millis is not None:
-        _check_int("put_timeout_millis", put_timeout_millis, 1, ">= 1 (or None)")
+        check_int("put_timeout_millis", put_timeout_millis, 1, ">= 1 (or None)")
     if name is None:
         name = f"stage_{next(_names)}"
     elif not isinstance(name, str) or not name:
@@ -361,8 +354,8 @@ def add_stage_thread_pool(
 
     Ids count from 0 in the order pools are added.
     """
-    _check_int("inter_op_threads", inter_op_threads, 1, ">= 1")
-    _check_int("intra_op_threads", intra_op_threads, 1, ">= 1")
+    check_int("inter_op_threads", inter_op_threads, 1, ">= 1")
+    check_int("intra_op_threads", intra_op_threads, 1, ">= 1")
     if not isinstance(global_name, str):
         raise TypeError(f"global_name must be a str, got {type(global_name).__name__}")
     if not global_name:

@@ -7,21 +7,14 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from torch_stage import _C
+from torch_stage._checks import check_int
 from torch_stage.errors import StageClosed
 
 __all__ = ["StagingArea"]
 
 
-def _check_int(name: str, value, minimum: int, rule: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be {rule}, got {value}")
-    return value
-
-
 def _check_timeout(timeout_ms) -> int:
-    return _check_int("timeout_ms", timeout_ms, 0, ">= 0 (0 tries once without waiting)")
+    return check_int("timeout_ms", timeout_ms, 0, ">= 0 (0 tries once without waiting)")
 
 
 class StagingArea:
@@ -56,8 +49,8 @@ class StagingArea:
     """
 
     def __init__(self, capacity: int, byte_limit: int = 0):
-        _check_int("capacity", capacity, 1, ">= 1")
-        _check_int("byte_limit", byte_limit, 0, ">= 0 (0 means no limit)")
+        check_int("capacity", capacity, 1, ">= 1")
+        check_int("byte_limit", byte_limit, 0, ">= 0 (0 means no limit)")
         self._area = torch.classes.torch_stage.StagingArea(capacity, byte_limit)
         self._fast = _C._StagingAreaHandle(self._area)
 

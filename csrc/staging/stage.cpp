@@ -311,33 +311,25 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // Runs a StageWork step; C++ exceptions become error items.
   template <typename Fn>
   Outcome guarded(StageItem& item, const char* step, Fn fn) {
+    std::string why;
     try {
       return fn();
     } catch (const c10::Error& e) {
-      item.error = std::make_shared<ItemError>(ItemError{
-          c10::str(
-              "stage '",
-              options.name,
-              "' item ",
-              item.index,
-              " (",
-              step,
-              "): ",
-              e.what_without_backtrace()),
-          nullptr});
+      why = e.what_without_backtrace(); // the C++ backtrace is noise here
     } catch (const std::exception& e) {
-      item.error = std::make_shared<ItemError>(ItemError{
-          c10::str(
-              "stage '",
-              options.name,
-              "' item ",
-              item.index,
-              " (",
-              step,
-              "): ",
-              e.what()),
-          nullptr});
+      why = e.what();
     }
+    item.error = std::make_shared<ItemError>(ItemError{
+        c10::str(
+            "stage '",
+            options.name,
+            "' item ",
+            item.index,
+            " (",
+            step,
+            "): ",
+            why),
+        nullptr});
     return Outcome::kError;
   }
 

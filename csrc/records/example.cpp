@@ -23,6 +23,12 @@ const char* to_string(FeatureKind kind) {
 
 namespace {
 
+// "a BytesList", "a FloatList", "an Int64List": for messages.
+std::string with_article(FeatureKind kind) {
+  return std::string(kind == FeatureKind::kInt64 ? "an " : "a ") +
+      to_string(kind);
+}
+
 // Wire types (https://protobuf.dev/programming-guides/encoding/).
 constexpr uint32_t kVarint = 0;
 constexpr uint32_t kFixed64 = 1;
@@ -583,13 +589,13 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
   for (size_t s = 0; s < ns; ++s) {
     const FeatureSpec& spec = specs_[s];
     const FeatureView& view = views[s];
-    const char* expected = to_string(spec.kind);
+    const std::string expected = with_article(spec.kind);
     if (!view.found) {
       if (!spec.has_default) {
         throw RecordError(
             RecordErrorKind::kMissingFeature,
             "record " + std::to_string(i) + " has no feature '" + spec.key +
-                "' (expected a " + expected +
+                "' (expected " + expected +
                 "); give the feature a default value to allow that",
             "",
             -1,
@@ -635,8 +641,8 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
     if (view.kind != FeatureKind::kNone && view.kind != spec.kind) {
       throw RecordError(
           RecordErrorKind::kWrongType,
-          "feature '" + spec.key + "' of record " + std::to_string(i) +
-              " is a " + to_string(view.kind) + ", expected a " + expected,
+          "feature '" + spec.key + "' of record " + std::to_string(i) + " is " +
+              with_article(view.kind) + ", expected " + expected,
           "",
           -1,
           index,
@@ -649,7 +655,7 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
       throw RecordError(
           RecordErrorKind::kNotExample,
           "feature '" + spec.key + "' of record " + std::to_string(i) +
-              " is not a valid " + expected + ": " + e.what(),
+              " is not " + expected + ": " + e.what(),
           "",
           -1,
           index,

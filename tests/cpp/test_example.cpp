@@ -333,7 +333,7 @@ TEST(BatchParser, WrongTypeAndWrongSizeNameKeyAndRecord) {
   EXPECT_EQ(e.record_index(), 1);
   EXPECT_EQ(e.key(), "s");
   EXPECT_NE(
-      std::string(e.what()).find("is a FloatList, expected a Int64List"),
+      std::string(e.what()).find("is a FloatList, expected an Int64List"),
       std::string::npos)
       << e.what();
 

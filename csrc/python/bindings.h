@@ -8,4 +8,7 @@ namespace torch_stage::python {
 // _StagingAreaHandle: the GIL-aware Python fast path of StagingArea.
 void init_staging(pybind11::module_& m);
 
+// TFRecord files, Example encoding/parsing and RecordInput.
+void init_records(pybind11::module_& m);
+
 } // namespace torch_stage::python

@@ -100,8 +100,11 @@ test: build
 demo: build
 	$(PY) examples/staging_area_demo.py
 
+# record_pipeline generates its ~215 MB of seed files once, into
+# build/bench_data/ (never part of `make test`).
 bench: build
 	$(PY) benchmarks/buffer_throughput.py
+	$(PY) benchmarks/record_pipeline.py
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 

@@ -7,6 +7,7 @@ and the fuzz tests in test_records_fuzz.py.
 import itertools
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -554,10 +555,15 @@ def test_close_wakes_a_consumer_blocked_on_io(tmp_path):
     closer.start()
     consumer.join(HANG_BOUND_S)
     assert not consumer.is_alive() and result == {"stop": True}
-    # close() joins the reader once its open() returns: give it a writer.
-    with open(fifo, "wb"):
-        pass
-    closer.join(HANG_BOUND_S)
+    # close() joins the reader once its open() returns: give it a writer
+    # (non-blocking: ENXIO while no reader has the FIFO open yet).
+    deadline = time.monotonic() + HANG_BOUND_S
+    while closer.is_alive() and time.monotonic() < deadline:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        closer.join(0.05)
     assert not closer.is_alive()
     assert ri.stats()["closed"]
 

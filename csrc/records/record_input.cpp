@@ -193,6 +193,9 @@ void RecordInput::reader_main(size_t k) {
          ++epoch) {
       const std::vector<std::string> order = epoch_order(epoch);
       for (size_t j = k; j < order.size(); j += readers_) {
+        if (stop_.load()) {
+          return;
+        }
         Chunk chunk;
         size_t bytes = 0;
         try {

@@ -10,7 +10,8 @@
 #   make bench   the benchmarks (JSON on stdout)
 #
 # Set-up is part of every target: a .venv with TORCH_SPEC and the test
-# dependencies, and GoogleTest (Debian's libgtest-dev) when it is missing.
+# dependencies, and GoogleTest and zlib (Debian's libgtest-dev, zlib1g-dev)
+# when they are missing.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -61,6 +62,10 @@ gtest:
 	  echo "GoogleTest is missing: installing Debian's libgtest-dev"; \
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgtest-dev; \
 	fi
+	@if [ ! -f /usr/include/zlib.h ]; then \
+	  echo "zlib headers are missing: installing Debian's zlib1g-dev"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q zlib1g-dev; \
+	fi
 	@command -v cmake > /dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake; }
 
 build: venv gtest $(EXT_STAMP) cpp
@@ -95,9 +100,12 @@ test: build
 demo: build
 	$(PY) examples/demo.py
 
+# record_pipeline generates its ~215 MB of seed files once, into
+# build/bench_data/ (never part of `make test`).
 bench: build
 	$(PY) benchmarks/buffer_throughput.py
 	$(PY) benchmarks/overlap.py
+	$(PY) benchmarks/record_pipeline.py
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 
@@ -111,7 +119,7 @@ format: venv
 	ruff check --fix $(PY_FILES)
 	ruff format $(PY_FILES)
 
-# The torch-free units (bounded buffer, scheduler) and their tests, built
+# The torch-free units (bounded buffer, records, scheduler) and their tests, built
 # under a sanitizer; torch itself is not instrumented, so it stays out.
 define sanitize
 	cmake -S . -B $(BUILD)/$(1) -G Ninja -DTORCH_STAGE_PURE_ONLY=ON \

@@ -137,7 +137,8 @@ def _extensions():
         sources=_sources("csrc/**/*.cpp", exclude=("csrc/python",)),
         include_dirs=include_dirs + cpp_extension.include_paths(),
         library_dirs=cpp_extension.library_paths(),
-        libraries=["c10", "torch", "torch_cpu"],
+        # zlib: GZIP/ZLIB TFRecord files (csrc/records/record_io.cpp).
+        libraries=["c10", "torch", "torch_cpu", "z"],
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=[f"-Wl,-soname,{CORE_LIB}"],
         language="c++",

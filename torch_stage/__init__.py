@@ -12,12 +12,28 @@ _C = _library.load()
 from torch_stage._build_info import build_info  # noqa: E402
 from torch_stage._library import library_path  # noqa: E402
 from torch_stage.errors import (  # noqa: E402
+    CorruptRecordError,
+    ExampleParseError,
+    FeatureError,
+    RecordError,
+    RecordFileError,
     StageCancelled,
     StageClosed,
     StageError,
     StageTimeoutError,
 )
 from torch_stage.loader import DataLoader  # noqa: E402
+from torch_stage.records import (  # noqa: E402
+    FixedLenFeature,
+    Ragged,
+    RecordBatch,
+    RecordInput,
+    RecordWriter,
+    VarLenFeature,
+    encode_example,
+    parse_example,
+    read_records,
+)
 from torch_stage.stage import (  # noqa: E402
     Stage,
     add_stage_thread_pool,
@@ -29,16 +45,30 @@ from torch_stage.staging import StagingArea  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CorruptRecordError",
     "DataLoader",
+    "ExampleParseError",
+    "FeatureError",
+    "FixedLenFeature",
+    "Ragged",
+    "RecordBatch",
+    "RecordError",
+    "RecordFileError",
+    "RecordInput",
+    "RecordWriter",
     "Stage",
     "StageCancelled",
     "StageClosed",
     "StageError",
     "StageTimeoutError",
     "StagingArea",
+    "VarLenFeature",
     "add_stage_thread_pool",
     "build_info",
+    "encode_example",
     "library_path",
     "make_prefetch_hook",
+    "parse_example",
+    "read_records",
     "staged",
 ]

@@ -1,10 +1,22 @@
 """Exceptions raised by torch_stage.
 
 The C++ library tags the matching errors "[StageClosed]" and "[StageCancelled]"
-(csrc/staging/staging_area.h); the Python bindings raise these classes.
+(csrc/staging/staging_area.h); the Python bindings raise these classes. The
+records code (csrc/records) raises a C++ RecordError whose kind the bindings
+map to the RecordError subclasses below.
 """
 
-__all__ = ["StageCancelled", "StageClosed", "StageError", "StageTimeoutError"]
+__all__ = [
+    "CorruptRecordError",
+    "ExampleParseError",
+    "FeatureError",
+    "RecordError",
+    "RecordFileError",
+    "StageCancelled",
+    "StageClosed",
+    "StageError",
+    "StageTimeoutError",
+]
 
 
 class StageError(RuntimeError):
@@ -21,3 +33,38 @@ class StageCancelled(StageError):
 
 class StageTimeoutError(StageError, TimeoutError):
     """A wait on a staging buffer or stage outlasted its timeout."""
+
+
+class RecordError(StageError):
+    """A TFRecord file or a serialized ``tf.train.Example`` cannot be used.
+
+    The message names the file, the byte offset or the record index, and what
+    was expected. The same facts are attributes (None where they do not
+    apply): ``path``, ``offset`` (byte offset of the record, in the
+    uncompressed stream), ``record_index`` (in its file, or in the parsed
+    batch), ``key`` (the feature) and ``kind`` (a short description).
+    """
+
+    path = None
+    offset = None
+    record_index = None
+    key = None
+    kind = None
+
+
+class RecordFileError(RecordError, OSError):
+    """No file matches a pattern, or a file cannot be opened, read or written."""
+
+
+class CorruptRecordError(RecordError):
+    """A TFRecord file is truncated, fails a length or data CRC check, or its
+    GZIP/ZLIB stream does not decompress."""
+
+
+class ExampleParseError(RecordError):
+    """A record is not a serialized ``tf.train.Example``."""
+
+
+class FeatureError(RecordError):
+    """An Example lacks a required feature (and no default was given), or a
+    feature holds the wrong list type or the wrong number of values."""

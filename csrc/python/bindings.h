@@ -11,4 +11,7 @@ void init_staging(pybind11::module_& m);
 // _Stage: Python sources, transforms and consumers of a Stage; stage pools.
 void init_stage(pybind11::module_& m);
 
+// TFRecord files, Example encoding/parsing and RecordInput.
+void init_records(pybind11::module_& m);
+
 } // namespace torch_stage::python

@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
       "torch_stage Python bindings (internal; use the torch_stage package)";
   torch_stage::python::init_staging(m);
   torch_stage::python::init_stage(m);
+  torch_stage::python::init_records(m);
 }

@@ -1,0 +1,802 @@
+#include "records/example.h"
+
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <unordered_set>
+
+namespace torch_stage::records {
+
+const char* to_string(FeatureKind kind) {
+  switch (kind) {
+    case FeatureKind::kNone:
+      return "empty";
+    case FeatureKind::kBytes:
+      return "BytesList";
+    case FeatureKind::kFloat:
+      return "FloatList";
+    case FeatureKind::kInt64:
+      return "Int64List";
+  }
+  return "?";
+}
+
+namespace {
+
+// "a BytesList", "a FloatList", "an Int64List": for messages.
+std::string with_article(FeatureKind kind) {
+  return std::string(kind == FeatureKind::kInt64 ? "an " : "a ") +
+      to_string(kind);
+}
+
+// Wire types (https://protobuf.dev/programming-guides/encoding/).
+constexpr uint32_t kVarint = 0;
+constexpr uint32_t kFixed64 = 1;
+constexpr uint32_t kLen = 2;
+constexpr uint32_t kFixed32 = 5;
+
+[[noreturn]] void malformed(
+    const uint8_t* record,
+    const uint8_t* at,
+    const std::string& what) {
+  throw RecordError(
+      RecordErrorKind::kNotExample,
+      what + " at byte " + std::to_string(at - record));
+}
+
+// A bounds-checked cursor over [p, end); `record` is only for messages.
+struct Cursor {
+  const uint8_t* record;
+  const uint8_t* p;
+  const uint8_t* end;
+
+  bool done() const {
+    return p >= end;
+  }
+
+  uint64_t varint() {
+    uint64_t v = 0;
+    const uint8_t* start = p;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p >= end) {
+        malformed(record, start, "truncated varint");
+      }
+      const uint8_t b = *p++;
+      v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) {
+        return v;
+      }
+    }
+    malformed(record, start, "varint longer than 10 bytes");
+  }
+
+  // A length-delimited payload: returns its start, advances past it.
+  const uint8_t* bytes(size_t* size) {
+    const uint8_t* at = p;
+    const uint64_t len = varint();
+    if (len > static_cast<uint64_t>(end - p)) {
+      malformed(
+          record,
+          at,
+          "length " + std::to_string(len) + " runs past the end of its " +
+              "message (" + std::to_string(end - p) + " bytes left)");
+    }
+    const uint8_t* data = p;
+    p += len;
+    *size = static_cast<size_t>(len);
+    return data;
+  }
+
+  void tag(uint32_t* field, uint32_t* wire) {
+    const uint8_t* at = p;
+    const uint64_t t = varint();
+    *field = static_cast<uint32_t>(t >> 3);
+    *wire = static_cast<uint32_t>(t & 7);
+    if ((t >> 3) == 0 || (t >> 3) > 0x1fffffffu) {
+      malformed(record, at, "invalid field number " + std::to_string(t >> 3));
+    }
+  }
+
+  void skip(uint32_t wire) {
+    const uint8_t* at = p;
+    size_t n = 0;
+    switch (wire) {
+      case kVarint:
+        varint();
+        return;
+      case kFixed64:
+        n = 8;
+        break;
+      case kLen:
+        bytes(&n);
+        return;
+      case kFixed32:
+        n = 4;
+        break;
+      default:
+        malformed(
+            record,
+            at,
+            "unsupported wire type " + std::to_string(wire) +
+                " (groups and reserved types cannot appear in an Example)");
+    }
+    if (n > static_cast<size_t>(end - p)) {
+      malformed(record, at, "truncated fixed-width field");
+    }
+    p += n;
+  }
+};
+
+void parse_feature(Cursor c, FeatureView* view) {
+  view->found = true;
+  view->kind = FeatureKind::kNone;
+  view->data = nullptr;
+  view->size = 0;
+  while (!c.done()) {
+    uint32_t field = 0;
+    uint32_t wire = 0;
+    c.tag(&field, &wire);
+    if (field >= 1 && field <= 3 && wire == kLen) {
+      // A oneof: the last member on the wire wins. (Protobuf would merge a
+      // member repeated on the wire; encoders never write that.)
+      view->kind = static_cast<FeatureKind>(field);
+      view->data = c.bytes(&view->size);
+    } else {
+      c.skip(wire);
+    }
+  }
+}
+
+void parse_entry(
+    Cursor c,
+    const std::vector<std::string>& keys,
+    FeatureView* views) {
+  const uint8_t* key = nullptr;
+  size_t key_size = 0;
+  const uint8_t* value = nullptr;
+  size_t value_size = 0;
+  while (!c.done()) {
+    uint32_t field = 0;
+    uint32_t wire = 0;
+    c.tag(&field, &wire);
+    if (field == 1 && wire == kLen) {
+      key = c.bytes(&key_size);
+    } else if (field == 2 && wire == kLen) {
+      value = c.bytes(&value_size);
+    } else {
+      c.skip(wire);
+    }
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string& k = keys[i];
+    if (k.size() == key_size &&
+        (key_size == 0 || std::memcmp(k.data(), key, key_size) == 0)) {
+      // A map's last entry for a key wins.
+      parse_feature(Cursor{c.record, value, value + value_size}, &views[i]);
+      views[i].record = c.record;
+    }
+  }
+}
+
+void parse_features(
+    Cursor c,
+    const std::vector<std::string>& keys,
+    FeatureView* views) {
+  while (!c.done()) {
+    uint32_t field = 0;
+    uint32_t wire = 0;
+    c.tag(&field, &wire);
+    if (field == 1 && wire == kLen) {
+      size_t n = 0;
+      const uint8_t* entry = c.bytes(&n);
+      parse_entry(Cursor{c.record, entry, entry + n}, keys, views);
+    } else {
+      c.skip(wire);
+    }
+  }
+}
+
+// Walks the `value` fields of a list, calling on_packed(payload) for a
+// packed run and on_single(cursor at the value) for one unpacked value.
+template <typename Packed, typename Single>
+void walk_list(const FeatureView& view, Packed on_packed, Single on_single) {
+  Cursor c{view.record, view.data, view.data + view.size};
+  while (!c.done()) {
+    uint32_t field = 0;
+    uint32_t wire = 0;
+    c.tag(&field, &wire);
+    if (field != 1) {
+      c.skip(wire);
+      continue;
+    }
+    if (wire == kLen) {
+      size_t n = 0;
+      const uint8_t* payload = c.bytes(&n);
+      on_packed(Cursor{view.record, payload, payload + n});
+    } else {
+      on_single(c, wire);
+    }
+  }
+}
+
+uint32_t load_le32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+      (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
+
+float load_float(const uint8_t* p) {
+  const uint32_t bits = load_le32(p);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+void put_varint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+void put_len(std::string* out, uint32_t field, const std::string& payload) {
+  put_varint(out, (static_cast<uint64_t>(field) << 3) | kLen);
+  put_varint(out, payload.size());
+  out->append(payload);
+}
+
+} // namespace
+
+void find_features(
+    const uint8_t* data,
+    size_t size,
+    const std::vector<std::string>& keys,
+    FeatureView* views) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    views[i] = FeatureView{};
+    views[i].record = data;
+  }
+  Cursor c{data, data, data + size};
+  while (!c.done()) {
+    uint32_t field = 0;
+    uint32_t wire = 0;
+    c.tag(&field, &wire);
+    if (field == 1 && wire == kLen) {
+      // A repeated embedded message merges; for a map that means later
+      // entries overwrite earlier ones, which parse_entry does.
+      size_t n = 0;
+      const uint8_t* features = c.bytes(&n);
+      parse_features(Cursor{data, features, features + n}, keys, views);
+    } else {
+      c.skip(wire);
+    }
+  }
+}
+
+ListSize list_size(const FeatureView& view) {
+  ListSize s;
+  switch (view.kind) {
+    case FeatureKind::kNone:
+      break;
+    case FeatureKind::kInt64:
+      walk_list(
+          view,
+          [&](Cursor p) {
+            while (!p.done()) {
+              p.varint();
+              ++s.values;
+            }
+          },
+          [&](Cursor& c, uint32_t wire) {
+            if (wire != kVarint) {
+              malformed(
+                  view.record,
+                  c.p,
+                  "Int64List value with wire type " + std::to_string(wire) +
+                      ", expected a varint (0) or packed (2)");
+            }
+            c.varint();
+            ++s.values;
+          });
+      break;
+    case FeatureKind::kFloat:
+      walk_list(
+          view,
+          [&](Cursor p) {
+            const size_t n = static_cast<size_t>(p.end - p.p);
+            if (n % 4 != 0) {
+              malformed(
+                  view.record,
+                  p.p,
+                  "packed FloatList of " + std::to_string(n) +
+                      " bytes, expected a multiple of 4");
+            }
+            s.values += n / 4;
+          },
+          [&](Cursor& c, uint32_t wire) {
+            if (wire != kFixed32) {
+              malformed(
+                  view.record,
+                  c.p,
+                  "FloatList value with wire type " + std::to_string(wire) +
+                      ", expected fixed32 (5) or packed (2)");
+            }
+            c.skip(kFixed32);
+            ++s.values;
+          });
+      break;
+    case FeatureKind::kBytes:
+      walk_list(
+          view,
+          [&](Cursor p) {
+            ++s.values;
+            s.bytes += static_cast<size_t>(p.end - p.p);
+          },
+          [&](Cursor& c, uint32_t wire) {
+            malformed(
+                view.record,
+                c.p,
+                "BytesList value with wire type " + std::to_string(wire) +
+                    ", expected length-delimited (2)");
+          });
+      break;
+  }
+  return s;
+}
+
+void decode_int64(const FeatureView& view, int64_t* out) {
+  if (view.kind != FeatureKind::kInt64) {
+    return;
+  }
+  walk_list(
+      view,
+      [&](Cursor p) {
+        while (!p.done()) {
+          *out++ = static_cast<int64_t>(p.varint());
+        }
+      },
+      [&](Cursor& c, uint32_t) { *out++ = static_cast<int64_t>(c.varint()); });
+}
+
+void decode_float(const FeatureView& view, float* out) {
+  if (view.kind != FeatureKind::kFloat) {
+    return;
+  }
+  walk_list(
+      view,
+      [&](Cursor p) {
+        for (; p.p + 4 <= p.end; p.p += 4) {
+          *out++ = load_float(p.p);
+        }
+      },
+      [&](Cursor& c, uint32_t) {
+        *out++ = load_float(c.p);
+        c.p += 4;
+      });
+}
+
+void decode_bytes(
+    const FeatureView& view,
+    uint8_t* out,
+    int64_t* value_ends,
+    int64_t base) {
+  if (view.kind != FeatureKind::kBytes) {
+    return;
+  }
+  int64_t written = 0;
+  walk_list(
+      view,
+      [&](Cursor p) {
+        const size_t n = static_cast<size_t>(p.end - p.p);
+        if (n > 0) {
+          std::memcpy(out + written, p.p, n);
+        }
+        written += static_cast<int64_t>(n);
+        if (value_ends != nullptr) {
+          *value_ends++ = base + written;
+        }
+      },
+      [&](Cursor& c, uint32_t) { c.skip(kLen); });
+}
+
+// ---------------------------------------------------------------- encoding
+
+void ExampleEncoder::add_entry(
+    const std::string& key,
+    const std::string& feature) {
+  std::string entry;
+  put_len(&entry, 1, key);
+  put_len(&entry, 2, feature);
+  put_len(&features_, 1, entry);
+}
+
+void ExampleEncoder::add_bytes(
+    const std::string& key,
+    const std::vector<std::string>& values) {
+  std::string list;
+  for (const auto& v : values) {
+    put_len(&list, 1, v);
+  }
+  std::string feature;
+  put_len(&feature, 1, list);
+  add_entry(key, feature);
+}
+
+void ExampleEncoder::add_float(
+    const std::string& key,
+    const std::vector<float>& values) {
+  std::string packed;
+  for (float f : values) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    for (int i = 0; i < 4; ++i) {
+      packed.push_back(static_cast<char>(bits >> (8 * i)));
+    }
+  }
+  std::string list;
+  if (!values.empty()) { // protobuf writes no field for an empty packed list
+    put_len(&list, 1, packed);
+  }
+  std::string feature;
+  put_len(&feature, 2, list);
+  add_entry(key, feature);
+}
+
+void ExampleEncoder::add_int64(
+    const std::string& key,
+    const std::vector<int64_t>& values) {
+  std::string packed;
+  for (int64_t v : values) {
+    put_varint(&packed, static_cast<uint64_t>(v));
+  }
+  std::string list;
+  if (!values.empty()) {
+    put_len(&list, 1, packed);
+  }
+  std::string feature;
+  put_len(&feature, 3, list);
+  add_entry(key, feature);
+}
+
+std::string ExampleEncoder::serialize() const {
+  std::string out;
+  put_len(&out, 1, features_);
+  return out;
+}
+
+// ---------------------------------------------------------- batch parsing
+
+void validate_specs(const std::vector<FeatureSpec>& specs) {
+  std::unordered_set<std::string> seen;
+  for (const auto& s : specs) {
+    auto bad = [&](const std::string& what) {
+      throw RecordError(
+          RecordErrorKind::kInvalidArgument,
+          "feature '" + s.key + "': " + what,
+          "",
+          -1,
+          -1,
+          s.key);
+    };
+    if (!seen.insert(s.key).second) {
+      bad("the key appears twice in the feature specs");
+    }
+    if (s.kind != FeatureKind::kBytes && s.kind != FeatureKind::kFloat &&
+        s.kind != FeatureKind::kInt64) {
+      bad("the type must be bytes, float or int64");
+    }
+    if (!s.var_len && s.fixed_count < 0) {
+      bad("a fixed length must be >= 0, got " + std::to_string(s.fixed_count));
+    }
+    if (!s.has_default) {
+      continue;
+    }
+    if (s.var_len) {
+      continue; // any number of default values
+    }
+    size_t n = 0;
+    switch (s.kind) {
+      case FeatureKind::kInt64:
+        n = s.int64_default.size();
+        break;
+      case FeatureKind::kFloat:
+        n = s.float_default.size();
+        break;
+      default:
+        for (const auto& b : s.bytes_default) {
+          n += b.size();
+        }
+        break;
+    }
+    if (static_cast<int64_t>(n) != s.fixed_count) {
+      bad("the default has " + std::to_string(n) +
+          (s.kind == FeatureKind::kBytes ? " bytes" : " values") +
+          ", the fixed length is " + std::to_string(s.fixed_count));
+    }
+  }
+}
+
+BatchParser::BatchParser(
+    const std::vector<FeatureSpec>& specs,
+    std::vector<RecordRef> records)
+    : specs_(specs),
+      records_(std::move(records)),
+      min_error_record_(std::numeric_limits<size_t>::max()) {
+  validate_specs(specs_);
+  keys_.reserve(specs_.size());
+  for (const auto& s : specs_) {
+    keys_.push_back(s.key);
+  }
+  const size_t cells = records_.size() * specs_.size();
+  views_.resize(cells);
+  counts_.assign(cells, 0);
+  byte_counts_.assign(cells, 0);
+  totals_.assign(specs_.size(), 0);
+  byte_totals_.assign(specs_.size(), 0);
+}
+
+void BatchParser::record_error(size_t record, const RecordError& error) {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (!has_error_ || record < error_record_) {
+    has_error_ = true;
+    error_record_ = record;
+    error_ = error;
+    min_error_record_.store(record, std::memory_order_relaxed);
+  }
+}
+
+void BatchParser::check() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  if (has_error_) {
+    throw error_;
+  }
+}
+
+void BatchParser::scan(
+    size_t begin,
+    size_t end,
+    const std::vector<FeatureOutput>& outs) {
+  for (size_t i = begin; i < end; ++i) {
+    // A lower-indexed record already failed: nothing here can be reported.
+    if (i > min_error_record_.load(std::memory_order_relaxed)) {
+      return;
+    }
+    try {
+      scan_one(i, outs);
+    } catch (const RecordError& e) {
+      record_error(i, e);
+      return;
+    }
+  }
+}
+
+void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
+  const size_t ns = specs_.size();
+  FeatureView* views = &views_[i * ns];
+  const RecordRef& rec = records_[i];
+  const auto index = static_cast<int64_t>(i);
+  try {
+    find_features(rec.data, rec.size, keys_, views);
+  } catch (const RecordError& e) {
+    throw RecordError(
+        RecordErrorKind::kNotExample,
+        "record " + std::to_string(i) +
+            " is not a tf.train.Example: " + e.what(),
+        "",
+        -1,
+        index);
+  }
+  for (size_t s = 0; s < ns; ++s) {
+    const FeatureSpec& spec = specs_[s];
+    const FeatureView& view = views[s];
+    const std::string expected = with_article(spec.kind);
+    if (!view.found) {
+      if (!spec.has_default) {
+        throw RecordError(
+            RecordErrorKind::kMissingFeature,
+            "record " + std::to_string(i) + " has no feature '" + spec.key +
+                "' (expected " + expected +
+                "); give the feature a default value to allow that",
+            "",
+            -1,
+            index,
+            spec.key);
+      }
+      if (spec.var_len) {
+        counts_[i * ns + s] = static_cast<int64_t>(
+            spec.kind == FeatureKind::kInt64       ? spec.int64_default.size()
+                : spec.kind == FeatureKind::kFloat ? spec.float_default.size()
+                                                   : spec.bytes_default.size());
+        int64_t nb = 0;
+        for (const auto& b : spec.bytes_default) {
+          nb += static_cast<int64_t>(b.size());
+        }
+        byte_counts_[i * ns + s] = nb;
+        continue;
+      }
+      const size_t fc = static_cast<size_t>(spec.fixed_count);
+      switch (spec.kind) {
+        case FeatureKind::kInt64:
+          std::copy(
+              spec.int64_default.begin(),
+              spec.int64_default.end(),
+              static_cast<int64_t*>(outs[s].values) + i * fc);
+          break;
+        case FeatureKind::kFloat:
+          std::copy(
+              spec.float_default.begin(),
+              spec.float_default.end(),
+              static_cast<float*>(outs[s].values) + i * fc);
+          break;
+        default: {
+          uint8_t* out = static_cast<uint8_t*>(outs[s].values) + i * fc;
+          for (const auto& b : spec.bytes_default) {
+            std::memcpy(out, b.data(), b.size());
+            out += b.size();
+          }
+        }
+      }
+      continue;
+    }
+    if (view.kind != FeatureKind::kNone && view.kind != spec.kind) {
+      throw RecordError(
+          RecordErrorKind::kWrongType,
+          "feature '" + spec.key + "' of record " + std::to_string(i) + " is " +
+              with_article(view.kind) + ", expected " + expected,
+          "",
+          -1,
+          index,
+          spec.key);
+    }
+    ListSize size;
+    try {
+      size = list_size(view);
+    } catch (const RecordError& e) {
+      throw RecordError(
+          RecordErrorKind::kNotExample,
+          "feature '" + spec.key + "' of record " + std::to_string(i) +
+              " is not " + expected + ": " + e.what(),
+          "",
+          -1,
+          index,
+          spec.key);
+    }
+    if (spec.var_len) {
+      counts_[i * ns + s] = static_cast<int64_t>(size.values);
+      byte_counts_[i * ns + s] = static_cast<int64_t>(size.bytes);
+      continue;
+    }
+    const bool bytes = spec.kind == FeatureKind::kBytes;
+    const int64_t got = static_cast<int64_t>(bytes ? size.bytes : size.values);
+    if (got != spec.fixed_count) {
+      throw RecordError(
+          RecordErrorKind::kWrongSize,
+          "feature '" + spec.key + "' of record " + std::to_string(i) +
+              " holds " + std::to_string(got) + (bytes ? " bytes" : " values") +
+              ", expected exactly " + std::to_string(spec.fixed_count) +
+              " (a fixed-length feature)",
+          "",
+          -1,
+          index,
+          spec.key);
+    }
+    const size_t fc = static_cast<size_t>(spec.fixed_count);
+    switch (spec.kind) {
+      case FeatureKind::kInt64:
+        decode_int64(view, static_cast<int64_t*>(outs[s].values) + i * fc);
+        break;
+      case FeatureKind::kFloat:
+        decode_float(view, static_cast<float*>(outs[s].values) + i * fc);
+        break;
+      default:
+        decode_bytes(
+            view, static_cast<uint8_t*>(outs[s].values) + i * fc, nullptr, 0);
+    }
+  }
+}
+
+void BatchParser::count() {
+  const size_t ns = specs_.size();
+  for (size_t s = 0; s < ns; ++s) {
+    if (!specs_[s].var_len) {
+      continue;
+    }
+    int64_t total = 0;
+    int64_t byte_total = 0;
+    for (size_t i = 0; i < records_.size(); ++i) {
+      const int64_t c = counts_[i * ns + s];
+      const int64_t b = byte_counts_[i * ns + s];
+      counts_[i * ns + s] = total; // now the record's first element
+      byte_counts_[i * ns + s] = byte_total;
+      total += c;
+      byte_total += b;
+    }
+    totals_[s] = total;
+    byte_totals_[s] = byte_total;
+  }
+}
+
+int64_t BatchParser::var_values(size_t spec) const {
+  return totals_.at(spec);
+}
+
+int64_t BatchParser::var_bytes(size_t spec) const {
+  return byte_totals_.at(spec);
+}
+
+void BatchParser::fill(
+    size_t begin,
+    size_t end,
+    const std::vector<FeatureOutput>& outs) {
+  const size_t ns = specs_.size();
+  const size_t n = records_.size();
+  for (size_t s = 0; s < ns; ++s) {
+    if (!specs_[s].var_len) {
+      continue;
+    }
+    if (begin == 0 && outs[s].value_offsets != nullptr) {
+      outs[s].value_offsets[0] = 0;
+    }
+    if (end == n) {
+      outs[s].offsets[n] = totals_[s];
+    }
+  }
+  for (size_t i = begin; i < end; ++i) {
+    try {
+      fill_one(i, outs);
+    } catch (const RecordError& e) {
+      record_error(i, e);
+      return;
+    }
+  }
+}
+
+void BatchParser::fill_one(size_t i, const std::vector<FeatureOutput>& outs) {
+  const size_t ns = specs_.size();
+  for (size_t s = 0; s < ns; ++s) {
+    const FeatureSpec& spec = specs_[s];
+    if (!spec.var_len) {
+      continue;
+    }
+    const FeatureView& view = views_[i * ns + s];
+    const int64_t first = counts_[i * ns + s];
+    const int64_t first_byte = byte_counts_[i * ns + s];
+    outs[s].offsets[i] = first;
+    switch (spec.kind) {
+      case FeatureKind::kInt64: {
+        int64_t* out = static_cast<int64_t*>(outs[s].values) + first;
+        if (view.found) {
+          decode_int64(view, out);
+        } else {
+          std::copy(spec.int64_default.begin(), spec.int64_default.end(), out);
+        }
+        break;
+      }
+      case FeatureKind::kFloat: {
+        float* out = static_cast<float*>(outs[s].values) + first;
+        if (view.found) {
+          decode_float(view, out);
+        } else {
+          std::copy(spec.float_default.begin(), spec.float_default.end(), out);
+        }
+        break;
+      }
+      default: {
+        uint8_t* out = static_cast<uint8_t*>(outs[s].values) + first_byte;
+        int64_t* ends = outs[s].value_offsets + first + 1;
+        if (view.found) {
+          decode_bytes(view, out, ends, first_byte);
+        } else {
+          int64_t at = first_byte;
+          for (const auto& b : spec.bytes_default) {
+            std::memcpy(out + (at - first_byte), b.data(), b.size());
+            at += static_cast<int64_t>(b.size());
+            *ends++ = at;
+          }
+        }
+      }
+    }
+  }
+}
+
+} // namespace torch_stage::records

@@ -1,0 +1,205 @@
+// tf.train.Example without protobuf: a minimal wire-format reader for the
+// fixed schema, an encoder, and a batch parser that writes into caller-owned
+// buffers (parse_example.cpp gives it tensors; tests give it vectors).
+//
+// The schema (tensorflow/core/example/{example,feature}.proto):
+//
+//   Example   { Features features = 1; }
+//   Features  { map<string, Feature> feature = 1; }   // entries: key=1 value=2
+//   Feature   { oneof kind { BytesList bytes_list = 1;
+//                            FloatList float_list = 2;
+//                            Int64List int64_list = 3; } }
+//   BytesList { repeated bytes value = 1; }
+//   FloatList { repeated float value = 1 [packed = true]; }
+//   Int64List { repeated int64 value = 1 [packed = true]; }
+//
+// Protobuf rules honoured: packed and unpacked encodings of the repeated
+// scalars (and mixtures of both), unknown fields skipped, a repeated
+// embedded `features` merged, the last map entry for a key wins, the last
+// member of the oneof wins. Groups (wire types 3/4, deprecated, never in an
+// Example) are rejected as malformed. Every length is bounds-checked: any
+// byte string yields either a result or RecordError(kNotExample), never a
+// read outside the record (fuzzed under ASan: tests/cpp/test_records_fuzz).
+//
+// Pure C++17; all functions are reentrant (no shared state).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "records/record_error.h"
+
+namespace torch_stage::records {
+
+// The list type a Feature holds. kNone: the Feature has no list set (an
+// empty Feature{}), which matches every spec type as an empty list, as in
+// TensorFlow.
+enum class FeatureKind : uint8_t {
+  kNone = 0,
+  kBytes = 1,
+  kFloat = 2,
+  kInt64 = 3
+};
+
+const char* to_string(FeatureKind kind);
+
+// Where a feature's list lives inside a serialized Example.
+struct FeatureView {
+  const uint8_t* record = nullptr; // the Example it is in, for error offsets
+  bool found = false;
+  FeatureKind kind = FeatureKind::kNone;
+  const uint8_t* data = nullptr; // the BytesList/FloatList/Int64List payload
+  size_t size = 0;
+};
+
+// Locates keys[i] in the Example `data[0:size]` into views[i] (views has
+// keys.size() entries; absent keys keep found=false). Throws
+// RecordError(kNotExample) naming the byte position of malformed wire data.
+void find_features(
+    const uint8_t* data,
+    size_t size,
+    const std::vector<std::string>& keys,
+    FeatureView* views);
+
+// Number of values in a list (for bytes: of byte strings) and, for bytes,
+// their total length. Validates the list's wire format (kNotExample).
+struct ListSize {
+  size_t values = 0;
+  size_t bytes = 0;
+};
+ListSize list_size(const FeatureView& view);
+
+// Decode a list into `out`, which has room for list_size(view).values
+// values (bytes: list_size(view).bytes bytes; `value_ends`, if not null, gets
+// the end offset of each string relative to `out`, plus `base`).
+void decode_int64(const FeatureView& view, int64_t* out);
+void decode_float(const FeatureView& view, float* out);
+void decode_bytes(
+    const FeatureView& view,
+    uint8_t* out,
+    int64_t* value_ends,
+    int64_t base);
+
+// Builds a serialized Example. Lists are written packed, features in the
+// order added (deterministic bytes, as a test vector needs). For tests,
+// writers and the Python encode_example().
+class ExampleEncoder {
+ public:
+  void add_bytes(
+      const std::string& key,
+      const std::vector<std::string>& values);
+  void add_float(const std::string& key, const std::vector<float>& values);
+  void add_int64(const std::string& key, const std::vector<int64_t>& values);
+  // The Example so far.
+  std::string serialize() const;
+
+ private:
+  void add_entry(const std::string& key, const std::string& feature);
+  std::string features_; // serialized map entries
+};
+
+// ------------------------------------------------------------ batch parsing
+
+struct FeatureSpec {
+  std::string key;
+  FeatureKind kind = FeatureKind::kInt64; // kBytes, kFloat or kInt64
+  bool var_len = false;
+  // Fixed-length features: values per record (bytes: bytes per record, all
+  // of the record's byte strings concatenated).
+  int64_t fixed_count = 1;
+  // The per-record shape of a fixed-length feature's output (its product is
+  // fixed_count); only the tensor layer (parse_example.h) reads it.
+  std::vector<int64_t> shape;
+  // Used when the key is absent; without one an absent key is an error.
+  // Fixed-length: exactly fixed_count values (bytes: fixed_count bytes).
+  // Var-length: any number of values; for bytes, one string per element of
+  // bytes_default.
+  bool has_default = false;
+  std::vector<int64_t> int64_default;
+  std::vector<float> float_default;
+  std::vector<std::string> bytes_default;
+};
+
+// Checks specs (kinds, counts, defaults, duplicate keys); throws
+// RecordError(kInvalidArgument) naming the key and the rule.
+void validate_specs(const std::vector<FeatureSpec>& specs);
+
+struct RecordRef {
+  const uint8_t* data;
+  size_t size;
+};
+
+// Where the parse writes one feature. Fixed-length: `values` holds
+// n * fixed_count elements (int64_t, float or uint8_t per kind), record i at
+// slot i. Var-length: after count(), allocate `values` for var_values(s)
+// elements (bytes: var_bytes(s) bytes), `offsets` for n + 1 entries and, for
+// bytes, `value_offsets` for var_values(s) + 1 entries.
+struct FeatureOutput {
+  void* values = nullptr;
+  int64_t* offsets = nullptr;
+  int64_t* value_offsets = nullptr;
+};
+
+// Parses a batch of Examples in two passes, each over disjoint record
+// ranges that may run on different threads at once:
+//
+//   scan(b, e, outs)   locate every feature, check types and sizes, decode
+//                      fixed-length features into their slots, count
+//                      var-length ones
+//   count()            (one thread, after every scan) prefix sums
+//   fill(b, e, outs)   decode var-length features into place
+//
+// Errors never escape scan/fill: each range stops at its first bad record
+// and the error with the lowest record index is kept, so the error reported
+// is the same whatever the threads did. check() rethrows it (call it after
+// scan and again after fill). Thread-safety: scan/fill of disjoint ranges
+// concurrently; everything else from one thread between passes.
+class BatchParser {
+ public:
+  BatchParser(
+      const std::vector<FeatureSpec>& specs,
+      std::vector<RecordRef> records);
+
+  size_t num_records() const {
+    return records_.size();
+  }
+  void scan(size_t begin, size_t end, const std::vector<FeatureOutput>& outs);
+  void count();
+  int64_t var_values(size_t spec) const;
+  int64_t var_bytes(size_t spec) const;
+  void fill(size_t begin, size_t end, const std::vector<FeatureOutput>& outs);
+  // Rethrows the lowest-indexed error recorded so far, if any.
+  void check() const;
+
+ private:
+  void scan_one(size_t record, const std::vector<FeatureOutput>& outs);
+  void fill_one(size_t record, const std::vector<FeatureOutput>& outs);
+  void record_error(size_t record, const RecordError& error);
+
+  const std::vector<FeatureSpec>& specs_;
+  std::vector<RecordRef> records_;
+  std::vector<std::string> keys_;
+  // views_[record * specs + spec]; written by scan of that record only.
+  std::vector<FeatureView> views_;
+  // Var-length counts per (record, spec): values, and bytes for bytes lists;
+  // after count(), the exclusive prefix sums. Written per record by scan.
+  std::vector<int64_t> counts_;
+  std::vector<int64_t> byte_counts_;
+  std::vector<int64_t> totals_;
+  std::vector<int64_t> byte_totals_;
+
+  // The lowest record index with an error (SIZE_MAX: none), read without the
+  // lock so ranges past it stop early; updated under error_mu_.
+  std::atomic<size_t> min_error_record_;
+  mutable std::mutex error_mu_;
+  // Guarded by error_mu_: the lowest-indexed error so far.
+  bool has_error_ = false;
+  size_t error_record_ = 0;
+  RecordError error_{RecordErrorKind::kInvalidArgument, ""};
+};
+
+} // namespace torch_stage::records

@@ -1,0 +1,407 @@
+#include "records/record_input.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+namespace torch_stage::records {
+namespace {
+
+// Seeds derived from (seed, stream) with splitmix64, so the file order of
+// each epoch and the pool's draws are independent, reproducible streams.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in [0, n) by rejection: std::uniform_int_distribution's output is
+// implementation-defined, and a fixed seed must give the same order with
+// every standard library.
+uint64_t bounded(std::mt19937_64& rng, uint64_t n) {
+  const uint64_t limit = (0 - n) % n; // 2^64 mod n
+  while (true) {
+    const uint64_t r = rng();
+    if (r >= limit) {
+      return r % n;
+    }
+  }
+}
+
+[[noreturn]] void invalid(const std::string& message) {
+  throw RecordError(RecordErrorKind::kInvalidArgument, message);
+}
+
+void check_at_least(const char* name, int64_t value, int64_t minimum) {
+  if (value < minimum) {
+    invalid(
+        std::string(name) + " must be >= " + std::to_string(minimum) +
+        ", got " + std::to_string(value));
+  }
+}
+
+constexpr size_t kChunkBytes = 256 * 1024;
+
+} // namespace
+
+RecordInput::RecordInput(RecordInputOptions options)
+    : options_(std::move(options)),
+      output_(static_cast<size_t>(
+          std::max<int64_t>(1, options_.prefetch_batches))) {
+  check_at_least("parallelism", options_.parallelism, 1);
+  check_at_least("buffer_size", options_.buffer_size, 1);
+  check_at_least("batch_size", options_.batch_size, 1);
+  check_at_least("prefetch_batches", options_.prefetch_batches, 1);
+  check_at_least("chunk_records", options_.chunk_records, 1);
+  check_at_least("reader_queue_chunks", options_.reader_queue_chunks, 1);
+  if (!(options_.shift_ratio >= 0.0 && options_.shift_ratio < 1.0)) {
+    invalid(
+        "shift_ratio must be in [0, 1), got " +
+        std::to_string(options_.shift_ratio));
+  }
+  if (options_.epochs == 0) {
+    invalid("epochs must be >= 1, or None to repeat forever, got 0");
+  }
+  files_ = shard_files(
+      match_files(options_.file_patterns),
+      options_.shard_rank,
+      options_.shard_world);
+  readers_ = std::min(static_cast<size_t>(options_.parallelism), files_.size());
+  if (options_.seed.has_value()) {
+    seed_ = *options_.seed;
+  } else {
+    std::random_device device;
+    seed_ = (static_cast<uint64_t>(device()) << 32) ^ device();
+  }
+  for (size_t k = 0; k < readers_; ++k) {
+    queues_.push_back(std::make_unique<ChunkQueue>(
+        static_cast<size_t>(options_.reader_queue_chunks)));
+  }
+  cursors_.resize(readers_);
+  epoch_done_.assign(readers_, false);
+  active_ = readers_;
+}
+
+RecordInput::~RecordInput() {
+  close();
+}
+
+void RecordInput::start() {
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);
+  if (started_ || closed_) {
+    return;
+  }
+  started_ = true;
+  threads_.reserve(readers_ + 1);
+  for (size_t k = 0; k < readers_; ++k) {
+    threads_.emplace_back([this, k] { reader_main(k); });
+  }
+  threads_.emplace_back([this] { mixer_main(); });
+}
+
+void RecordInput::close() {
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(lifecycle_mu_);
+    if (closed_) {
+      return;
+    }
+    closed_ = true;
+    threads.swap(threads_);
+  }
+  stop_.store(true);
+  // Cancel wakes every thread blocked on a queue (readers in put, the mixer
+  // in take or put, consumers in take); the rest check stop_ per record.
+  output_.cancel();
+  for (auto& q : queues_) {
+    q->cancel();
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+}
+
+BufferStatus RecordInput::finish_take(
+    BufferStatus status,
+    Item& item,
+    RecordBatch* out) {
+  if (status != BufferStatus::kOk) {
+    return status;
+  }
+  if (item.error) {
+    std::rethrow_exception(item.error);
+  }
+  *out = std::move(item.batch);
+  return status;
+}
+
+BufferStatus RecordInput::take(RecordBatch* out) {
+  start();
+  Item item;
+  const BufferStatus status = output_.take(item);
+  return finish_take(status, item, out);
+}
+
+BufferStatus RecordInput::try_take_until(
+    RecordBatch* out,
+    Clock::time_point deadline) {
+  start();
+  Item item;
+  const BufferStatus status = output_.try_take_until(item, deadline);
+  return finish_take(status, item, out);
+}
+
+RecordInputStats RecordInput::stats() const {
+  RecordInputStats s;
+  s.files = static_cast<int64_t>(files_.size());
+  s.readers = static_cast<int64_t>(readers_);
+  s.records_read = records_read_.load();
+  s.records_out = records_out_.load();
+  s.batches_out = batches_out_.load();
+  s.errors = errors_.load();
+  s.pool_size = pool_size_.load();
+  s.epoch = epoch_.load();
+  std::lock_guard<std::mutex> lock(lifecycle_mu_);
+  s.started = started_;
+  s.closed = closed_;
+  return s;
+}
+
+std::vector<std::string> RecordInput::epoch_order(int64_t epoch) const {
+  std::vector<std::string> order = files_;
+  std::mt19937_64 rng(
+      splitmix64(seed_ ^ splitmix64(static_cast<uint64_t>(epoch) + 1)));
+  for (size_t i = order.size(); i > 1; --i) { // Fisher-Yates
+    std::swap(order[i - 1], order[bounded(rng, i)]);
+  }
+  // TensorFlow's shift: distributed workers sharing files start at
+  // different places in the list.
+  const auto shift = static_cast<size_t>(
+      std::floor(options_.shift_ratio * static_cast<double>(order.size())));
+  std::rotate(order.begin(), order.begin() + shift, order.end());
+  return order;
+}
+
+void RecordInput::reader_main(size_t k) {
+  ChunkQueue& queue = *queues_[k];
+  auto send = [&](Chunk& chunk) {
+    return queue.put(chunk) == BufferStatus::kOk;
+  };
+  try {
+    for (int64_t epoch = 0; options_.epochs < 0 || epoch < options_.epochs;
+         ++epoch) {
+      const std::vector<std::string> order = epoch_order(epoch);
+      for (size_t j = k; j < order.size(); j += readers_) {
+        if (stop_.load()) {
+          return;
+        }
+        Chunk chunk;
+        size_t bytes = 0;
+        try {
+          RecordReader reader(order[j], options_.compression);
+          std::string record;
+          while (!stop_.load(std::memory_order_relaxed) &&
+                 reader.read(&record)) {
+            bytes += record.size();
+            chunk.records.push_back(std::move(record));
+            records_read_.fetch_add(1, std::memory_order_relaxed);
+            if (chunk.records.size() >=
+                    static_cast<size_t>(options_.chunk_records) ||
+                bytes >= kChunkBytes) {
+              if (!send(chunk)) {
+                return;
+              }
+              chunk = Chunk{};
+              bytes = 0;
+            }
+          }
+        } catch (const RecordError&) {
+          // Deliver what was read before the error, then the error.
+          Chunk failed;
+          failed.error = std::current_exception();
+          if ((!chunk.records.empty() && !send(chunk)) || !send(failed)) {
+            return;
+          }
+          continue;
+        }
+        if (stop_.load()) {
+          return;
+        }
+        if (!chunk.records.empty() && !send(chunk)) {
+          return;
+        }
+      }
+      Chunk end;
+      end.end_of_epoch = true;
+      if (!send(end)) {
+        return;
+      }
+    }
+  } catch (...) {
+    // Not a data error (e.g. out of memory): hand it on; the mixer stops.
+    Chunk failed;
+    failed.error = std::current_exception();
+    failed.fatal = true;
+    queue.put(failed);
+  }
+}
+
+RecordInput::Pull RecordInput::pull(
+    std::string* record,
+    std::exception_ptr* error) {
+  while (true) {
+    if (active_ == 0) {
+      const int64_t next = epoch_.load(std::memory_order_relaxed) + 1;
+      if (options_.epochs >= 0 && next >= options_.epochs) {
+        return Pull::kExhausted;
+      }
+      epoch_.store(next, std::memory_order_relaxed);
+      std::fill(epoch_done_.begin(), epoch_done_.end(), false);
+      active_ = readers_;
+      turn_ = 0;
+    }
+    while (epoch_done_[turn_]) {
+      turn_ = (turn_ + 1) % readers_;
+    }
+    const size_t r = turn_;
+    Cursor& cur = cursors_[r];
+    if (cur.next >= cur.chunk.records.size()) {
+      Chunk chunk;
+      const BufferStatus status = queues_[r]->take(chunk);
+      if (status != BufferStatus::kOk) {
+        return Pull::kStopped;
+      }
+      cur.chunk = std::move(chunk);
+      cur.next = 0;
+      if (cur.chunk.error) {
+        *error = cur.chunk.error;
+        const bool fatal = cur.chunk.fatal;
+        cur.chunk = Chunk{};
+        turn_ = (r + 1) % readers_;
+        return fatal ? Pull::kFatal : Pull::kError;
+      }
+      if (cur.chunk.end_of_epoch) {
+        epoch_done_[r] = true;
+        --active_;
+        cur.chunk = Chunk{};
+        turn_ = (r + 1) % readers_;
+        continue;
+      }
+      if (cur.chunk.records.empty()) {
+        continue;
+      }
+    }
+    *record = std::move(cur.chunk.records[cur.next++]);
+    turn_ = (r + 1) % readers_;
+    return Pull::kRecord;
+  }
+}
+
+void RecordInput::mixer_main() {
+  const size_t capacity = static_cast<size_t>(options_.buffer_size);
+  const size_t threshold = (capacity + 1) / 2;
+  const size_t batch_size = static_cast<size_t>(options_.batch_size);
+  std::mt19937_64 rng(splitmix64(seed_));
+  std::vector<std::string> pool;
+  pool.reserve(capacity);
+  bool exhausted = false;
+  bool emitting = false; // set once the pool first reaches the threshold
+  size_t mean_record = 256; // running estimate, to reserve batch buffers
+
+  auto fresh_batch = [&] {
+    Item item;
+    item.batch.data.reserve(batch_size * mean_record);
+    item.batch.offsets.reserve(batch_size + 1);
+    return item;
+  };
+  Item current = fresh_batch();
+
+  auto emit = [&](Item& item) {
+    if (output_.put(item) != BufferStatus::kOk) {
+      return false;
+    }
+    return true;
+  };
+
+  try {
+    while (!stop_.load(std::memory_order_relaxed)) {
+      // Fill: one record per turn until the threshold is first reached
+      // (nothing is emitted before), then two per record emitted, so the
+      // pool keeps growing to full while batches flow; at most to full.
+      size_t pulls = 0;
+      if (!exhausted && pool.size() < capacity) {
+        pulls = emitting ? 2 : 1;
+      }
+      for (size_t p = 0; p < pulls && pool.size() < capacity; ++p) {
+        std::string record;
+        std::exception_ptr error;
+        const Pull got = pull(&record, &error);
+        if (got == Pull::kStopped) {
+          return;
+        }
+        if (got == Pull::kExhausted) {
+          exhausted = true;
+          break;
+        }
+        if (got == Pull::kError || got == Pull::kFatal) {
+          errors_.fetch_add(1, std::memory_order_relaxed);
+          Item failed;
+          failed.error = error;
+          if (!emit(failed)) {
+            return;
+          }
+          if (got == Pull::kFatal) {
+            output_.close();
+            return;
+          }
+          continue;
+        }
+        pool.push_back(std::move(record));
+      }
+      pool_size_.store(
+          static_cast<int64_t>(pool.size()), std::memory_order_relaxed);
+
+      if (pool.empty() && exhausted) {
+        if (current.batch.size() > 0) {
+          batches_out_.fetch_add(1, std::memory_order_relaxed);
+          if (!emit(current)) {
+            return;
+          }
+        }
+        output_.close(); // end of data: takers drain, then see kClosed
+        return;
+      }
+      if (pool.size() >= threshold) {
+        emitting = true;
+      }
+      if (pool.empty() || !(emitting || exhausted)) {
+        continue;
+      }
+      // Emit one record drawn uniformly from the pool.
+      const size_t j = static_cast<size_t>(bounded(rng, pool.size()));
+      auto& batch = current.batch;
+      const std::string& rec = pool[j];
+      batch.data.insert(batch.data.end(), rec.begin(), rec.end());
+      batch.offsets.push_back(static_cast<int64_t>(batch.data.size()));
+      mean_record = (mean_record * 7 + rec.size()) / 8 + 1;
+      std::swap(pool[j], pool.back());
+      pool.pop_back();
+      records_out_.fetch_add(1, std::memory_order_relaxed);
+      if (batch.size() == batch_size) {
+        batches_out_.fetch_add(1, std::memory_order_relaxed);
+        if (!emit(current)) {
+          return;
+        }
+        current = fresh_batch();
+      }
+    }
+  } catch (...) {
+    Item failed;
+    failed.error = std::current_exception();
+    emit(failed);
+    output_.close();
+  }
+}
+
+} // namespace torch_stage::records

@@ -37,12 +37,12 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
   m.def(
       torch::schema(
           "fork(int num_streams, int[] side_streams, int num_events, "
-          "Tensor[] probes) -> " TORCH_STAGE_RUN,
+          "Any probes) -> " TORCH_STAGE_RUN,
           kEffectful),
       [](int64_t num_streams,
          std::vector<int64_t> side_streams,
          int64_t num_events,
-         std::vector<at::Tensor> probes) -> Run {
+         const c10::IValue& probes) -> Run {
         return c10::make_intrusive<StreamRun>(
             StreamRun::device_of(probes),
             num_streams,
@@ -67,8 +67,9 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
       [](const Run& run, int64_t event, int64_t stream) {
         run->wait_event(event, stream);
       });
-  // `Any`: the pass does not always know whether a value is a tensor, a
-  // list of them or something else; non-tensors are skipped.
+  // `Any` here and in fork: without example inputs the pass does not know
+  // which values are tensors (a forward argument may be an int, a list of
+  // tensors, ...); non-tensors are skipped.
   m.def(
       torch::schema(
           "record_stream(" TORCH_STAGE_RUN " run, Any value, int stream) -> ()",

@@ -18,11 +18,33 @@ bool has_streams(c10::DeviceType type) {
 
 } // namespace
 
-std::optional<c10::Device> StreamRun::device_of(
-    const std::vector<at::Tensor>& probes) {
-  for (const auto& t : probes) {
+std::optional<c10::Device> StreamRun::device_of(const c10::IValue& probes) {
+  if (probes.isTensor()) {
+    const at::Tensor& t = probes.toTensor();
     if (t.defined() && t.device().type() != c10::DeviceType::CPU) {
       return t.device();
+    }
+    return std::nullopt;
+  }
+  auto first = [](const auto& items) -> std::optional<c10::Device> {
+    for (const auto& item : items) {
+      if (auto d = device_of(item)) {
+        return d;
+      }
+    }
+    return std::nullopt;
+  };
+  if (probes.isList()) {
+    return first(probes.toListRef());
+  }
+  if (probes.isTuple()) {
+    return first(probes.toTupleRef().elements());
+  }
+  if (probes.isGenericDict()) {
+    for (const auto& item : probes.toGenericDict()) {
+      if (auto d = device_of(item.value())) {
+        return d;
+      }
     }
   }
   return std::nullopt;

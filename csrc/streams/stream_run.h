@@ -13,8 +13,9 @@
 //   join(run, side_streams)   stream 0 waits on those streams; the caller's
 //                             stream is current again
 //
-// Device: the first non-CPU tensor among `probes` (the module's tensor
-// inputs, else its parameters). With none, or on a device without streams
+// Device: that of the first non-CPU tensor found in `probes` (the module's
+// inputs and one of its parameters, searched through lists, tuples and
+// dicts). With none, or on a device without streams
 // (CPU, Meta), the run is *inactive*: every op still checks its arguments
 // and the plan's consistency (a wait on an event not yet recorded is an
 // error) and then does nothing, so CPU results are the plain ones.
@@ -55,10 +56,9 @@ namespace torch_stage {
 
 class StreamRun : public torch::CustomClassHolder {
  public:
-  // The device a run uses for these probes: the first defined tensor not on
-  // CPU, or nullopt (inactive).
-  static std::optional<c10::Device> device_of(
-      const std::vector<at::Tensor>& probes);
+  // The device a run uses for these probes: that of the first defined
+  // tensor not on CPU, or nullopt (inactive).
+  static std::optional<c10::Device> device_of(const c10::IValue& probes);
 
   // num_streams in 1..kMaxStreams; side_streams: distinct, each in
   // 1..num_streams-1 (the streams to fork); num_events >= 0.

@@ -146,7 +146,8 @@ bool contains(const std::string& text, const std::string& part) {
 }
 
 TEST(StreamRun, InactiveOnCpuButChecksThePlan) {
-  const auto device = StreamRun::device_of({at::ones({2}), at::Tensor()});
+  const auto device = StreamRun::device_of(c10::IValue(std::make_tuple(
+      at::ones({2}), int64_t{3}, c10::List<at::Tensor>({at::ones({1})}))));
   EXPECT_FALSE(device.has_value());
   StreamRun run(device, 3, {1, 2}, 2);
   EXPECT_FALSE(run.is_active());
@@ -298,6 +299,11 @@ TEST(StreamRun, RecordStreamMarksEveryTensorOnTheDevice) {
       c10::List<at::Tensor>({on_device(2), on_device(4)}),
       c10::IValue(),
       int64_t{3}));
+  // The first non-CPU tensor decides a run's device, however nested.
+  EXPECT_EQ(
+      StreamRun::device_of(c10::IValue(std::make_tuple(
+          at::ones({1}), c10::List<at::Tensor>({on_device(6)})))),
+      device);
   run.record_stream(value, 1);
   EXPECT_EQ(run.kept_tensors(), 3);
   const std::string keep = "keep s" + std::to_string(run.stream_ids()[1]);

@@ -4,7 +4,13 @@ The C++ library tags the matching errors "[StageClosed]" and "[StageCancelled]"
 (csrc/staging/staging_area.h); the Python bindings raise these classes.
 """
 
-__all__ = ["StageCancelled", "StageClosed", "StageError", "StageTimeoutError"]
+__all__ = [
+    "MultiStreamTraceError",
+    "StageCancelled",
+    "StageClosed",
+    "StageError",
+    "StageTimeoutError",
+]
 
 
 class StageError(RuntimeError):
@@ -21,3 +27,7 @@ class StageCancelled(StageError):
 
 class StageTimeoutError(StageError, TimeoutError):
     """A wait on a staging buffer or stage outlasted its timeout."""
+
+
+class MultiStreamTraceError(RuntimeError):
+    """torch_stage.multi_stream could not trace a module with torch.fx."""

@@ -97,6 +97,7 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/buffer_throughput.py
+	$(PY) benchmarks/multi_stream.py
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 

@@ -188,6 +188,38 @@ TEST(Strategies, EightTowers) {
   EXPECT_EQ(width(towers()), 8);
 }
 
+// Eight independent towers of three nodes, no join:
+//
+//   0   3   6   9  12  15  18  21
+//   1   4   7  10  13  16  19  22
+//   2   5   8  11  14  17  20  23
+TEST(Strategies, EightIndependentTowers) {
+  Edges edges;
+  for (int t = 0; t < 8; ++t) {
+    edges.push_back({3 * t, 3 * t + 1});
+    edges.push_back({3 * t + 1, 3 * t + 2});
+  }
+  const Dag dag = make_dag(24, edges);
+  auto expand = [](const std::vector<int>& tower) {
+    std::vector<int> out;
+    for (const int s : tower) {
+      out.insert(out.end(), {s, s, s});
+    }
+    return out;
+  };
+  // The tower holding the last node (7) stays on the caller's stream; the
+  // others fill the remaining streams in order.
+  EXPECT_EQ(
+      assign(dag, Strategy::kMinSync, 8), expand({1, 2, 3, 4, 5, 6, 7, 0}));
+  // Onto four streams by load: two towers each.
+  EXPECT_EQ(
+      assign(dag, Strategy::kMinSync, 4), expand({1, 2, 3, 0, 1, 2, 3, 0}));
+  EXPECT_EQ(
+      assign(dag, Strategy::kCriticalPath, 8),
+      expand({0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(width(dag), 8);
+}
+
 // Embedding groups grow backwards over what only feeds them (index
 // preparation 0, 2) and forwards over what only they feed (pooling 4, 5);
 // the dense node 6 and the concat 7 are left to min_sync, whose one chain

@@ -130,3 +130,15 @@ def test_bad_arguments_are_rejected_before_anything_runs(kwargs, error, message)
 def test_a_module_is_required():
     with pytest.raises(TypeError, match="needs a torch.nn.Module, got function"):
         MultiStreamPass()(lambda x: x)
+
+
+def test_arguments_with_non_tensor_defaults_are_not_probed():
+    class WithFlag(nn.Module):
+        def forward(self, x, y, scale=None, names=()):
+            return x.exp() + y.sin()
+
+    gm = MultiStreamPass(num_streams=2, strategy="min_sync")(WithFlag())
+    fork = next(n for n in gm.graph.nodes if n.target is _ops.fork)
+    assert [p.name for p in fork.args[3]] == ["x", "y"]
+    x = torch.ones(2)
+    assert torch.equal(gm(x, x), x.exp() + x.sin())

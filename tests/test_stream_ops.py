@@ -179,7 +179,9 @@ def test_plan_streams_rejects_bad_input(kwargs, error, message):
 @pytest.mark.cuda
 def test_a_cuda_run_uses_the_callers_stream_and_the_shared_pool():
     x = torch.ones(4, device="cuda")
-    caller = torch.cuda.Stream()
+    # High priority: a different pool from the side streams' (PyTorch's
+    # pools hand out 32 streams round robin; this one cannot alias them).
+    caller = torch.cuda.Stream(priority=-1)
     with torch.cuda.stream(caller):
         run = ops.fork(4, [1, 2, 3], 1, (x,))
         assert run.is_active()

@@ -215,7 +215,9 @@ def test_zoo_is_bit_identical_on_gpu_with_random_delays_on_side_streams(entry):
     module = build(entry, "cuda")
     inputs = entry.inputs(16, "cuda")
     gm = _with_side_stream_delays(torch_stage.multi_stream(module, num_streams=4))
-    caller = torch.cuda.Stream()
+    # High priority: a different pool from the side streams' (PyTorch's
+    # pools hand out 32 streams round robin; this one cannot alias them).
+    caller = torch.cuda.Stream(priority=-1)
     with torch.cuda.stream(caller):
         for i in range(100):
             expected = run(module, inputs, seed=i)

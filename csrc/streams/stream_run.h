@@ -27,6 +27,11 @@
 // come from StreamPool's free list and go back at join. record_stream tells
 // the caching allocator (recordDataPtrOnStream) that the tensors' memory is
 // used on stream s, so it is not handed out again before that work is done.
+// (Design choice: the alternative, holding references until the join,
+// raises peak memory by every cross-stream intermediate and is only safe if
+// nobody else uses the pool's streams; the pass records each producer once
+// per consuming stream, so the allocator cost that makes record_stream
+// notorious (pytorch#76861) stays proportional to the cross-stream edges.)
 //
 // If the call fails between fork and join (an op throws), the StreamRun is
 // destroyed without join: the destructor restores the caller's stream and

@@ -210,9 +210,14 @@ class _Rewrite:
     def _may_hold_tensor(self, p: torch.fx.Node) -> bool:
         if p.target.startswith("**"):
             return False
-        meta = p.meta.get("torch_stage_has_tensor")
-        if meta is not None:
-            return meta
+        measured = p.meta.get("torch_stage_has_tensor")
+        if measured is not None:
+            return measured
+        # An argument defaulting to a non-tensor (None, a flag, []) is
+        # almost never given a tensor; leaving it out also keeps values
+        # torch.ops cannot convert to `Any` (an empty list) out of fork.
+        if p.args and not isinstance(p.args[0], torch.Tensor):
+            return False
         return True
 
     def _tensor_attributes(self):

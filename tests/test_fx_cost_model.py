@@ -1,10 +1,12 @@
 """The default cost model (torch_stage/fx/cost_model.py)."""
 
+import operator
+
 import torch
 from torch import nn
 
 from torch_stage.fx import GraphAnalysis, trace
-from torch_stage.fx.cost_model import BYTES_PER_US, FLOPS_PER_US, LAUNCH_US, default_cost
+from torch_stage.fx.cost_model import BYTES_PER_US, FLOPS_PER_US, LAUNCH_US, default_cost, is_view
 
 
 class Mixed(nn.Module):
@@ -69,3 +71,26 @@ def test_without_shapes_every_kernel_costs_one():
     nodes = {n.name: n for n in gm.graph.nodes}
     assert default_cost(nodes["big"], gm) == 1.0
     assert default_cost(nodes["view"], gm) == 0.0
+
+
+def test_views_are_recognised_in_every_spelling():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    i = graph.placeholder("i")
+    views = [
+        graph.call_method("view", (x, -1)),
+        graph.call_function(getattr, (x, "T")),
+        graph.call_function(torch.ops.aten.t.default, (x,)),
+        graph.call_function(torch.ops.aten.select.int, (x, 0, 0)),
+        graph.call_function(torch.transpose, (x, 0, 1)),
+        graph.call_function(operator.getitem, (x, 0)),
+    ]
+    kernels = [
+        graph.call_function(torch.ops.aten.add_.Tensor, (x, x)),  # writes, not a view
+        graph.call_function(torch.ops.aten.mm.default, (x, x)),
+        graph.call_function(operator.getitem, (x, i)),  # gathers
+        graph.call_function(getattr, (x, "shape")),
+        graph.call_method("relu", (x,)),
+    ]
+    assert [is_view(n) for n in views] == [True] * len(views)
+    assert [is_view(n) for n in kernels] == [False] * len(kernels)

@@ -100,16 +100,28 @@ _MATMULS = frozenset(
 _MATMUL_METHODS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"})
 
 
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
 def is_view(node: torch.fx.Node) -> bool:
     """Whether ``node`` only reinterprets its first argument (no kernel)."""
     if node.op == "call_method":
         return node.target in VIEW_METHODS
-    if node.op == "call_function":
-        if node.target is operator.getitem:
-            # Basic indexing is a view; indexing with a tensor gathers.
-            return not any(isinstance(a, torch.fx.Node) for a in _flat(node.args[1:]))
-        return node.target in VIEW_FUNCTIONS
-    return False
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        # Basic indexing is a view; indexing with a tensor gathers.
+        return not any(isinstance(a, torch.fx.Node) for a in _flat(node.args[1:]))
+    if target is getattr:
+        return node.args[1] in _VIEW_ATTRIBUTES
+    schema = getattr(target, "_schema", None)
+    if isinstance(target, torch._ops.OpOverload) and schema is not None and schema.returns:
+        # ATen views (graphs from torch.compile): the result aliases an
+        # input without writing it (aten.view, aten.t, aten.select, ...).
+        alias = schema.returns[0].alias_info
+        return alias is not None and not alias.is_write
+    return target in VIEW_FUNCTIONS
 
 
 def _flat(value: Any) -> List[Any]:

@@ -106,6 +106,7 @@ bench: build
 	$(PY) benchmarks/buffer_throughput.py
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/record_pipeline.py
+	$(PY) benchmarks/multi_stream.py
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 

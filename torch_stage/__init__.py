@@ -9,12 +9,14 @@ from torch_stage import _library
 
 _C = _library.load()
 
+from torch_stage import fx  # noqa: E402, F401  (torch_stage.fx and its op registrations)
 from torch_stage._build_info import build_info  # noqa: E402
 from torch_stage._library import library_path  # noqa: E402
 from torch_stage.errors import (  # noqa: E402
     CorruptRecordError,
     ExampleParseError,
     FeatureError,
+    MultiStreamTraceError,
     RecordError,
     RecordFileError,
     StageCancelled,
@@ -41,6 +43,13 @@ from torch_stage.stage import (  # noqa: E402
     staged,
 )
 from torch_stage.staging import StagingArea  # noqa: E402
+from torch_stage.streams import (  # noqa: E402
+    MAX_STREAMS,
+    STRATEGIES,
+    colocate_with,
+    multi_stream,
+    stream,
+)
 
 __version__ = "0.1.0"
 
@@ -50,12 +59,15 @@ __all__ = [
     "ExampleParseError",
     "FeatureError",
     "FixedLenFeature",
+    "MAX_STREAMS",
+    "MultiStreamTraceError",
     "Ragged",
     "RecordBatch",
     "RecordError",
     "RecordFileError",
     "RecordInput",
     "RecordWriter",
+    "STRATEGIES",
     "Stage",
     "StageCancelled",
     "StageClosed",
@@ -65,10 +77,13 @@ __all__ = [
     "VarLenFeature",
     "add_stage_thread_pool",
     "build_info",
+    "colocate_with",
     "encode_example",
     "library_path",
     "make_prefetch_hook",
+    "multi_stream",
     "parse_example",
     "read_records",
     "staged",
+    "stream",
 ]

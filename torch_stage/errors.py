@@ -10,6 +10,7 @@ __all__ = [
     "CorruptRecordError",
     "ExampleParseError",
     "FeatureError",
+    "MultiStreamTraceError",
     "RecordError",
     "RecordFileError",
     "StageCancelled",
@@ -68,3 +69,7 @@ class ExampleParseError(RecordError):
 class FeatureError(RecordError):
     """An Example lacks a required feature (and no default was given), or a
     feature holds the wrong list type or the wrong number of values."""
+
+
+class MultiStreamTraceError(RuntimeError):
+    """torch_stage.multi_stream could not trace a module with torch.fx."""

@@ -28,12 +28,37 @@ class StagedConsumer(torch.nn.Module):
         self.area.put([x, bias])
 
 
+class Towers(torch.nn.Module):
+    """Two annotated towers joined by a sum: multi_stream puts them on two
+    streams."""
+
+    def __init__(self):
+        super().__init__()
+        self.x = torch.nn.Linear(8, 8)
+        self.y = torch.nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with torch_stage.stream(0):
+            pa = torch.relu(self.x(a))
+        with torch_stage.stream(1):
+            pb = torch.tanh(self.y(b))
+        return pa * pb
+
+
 def main(out_dir: str) -> int:
     os.makedirs(out_dir, exist_ok=True)
-    scripted = torch.jit.script(StagedConsumer(capacity=3))
-    path = os.path.join(out_dir, "staged_consumer.pt")
-    scripted.save(path)
-    print(f"wrote {path}")
+    modules = {"staged_consumer.pt": torch.jit.script(StagedConsumer(capacity=3))}
+    torch.manual_seed(0)
+    towers = Towers().eval()
+    # The same model scripted with and without the stream ops.
+    modules["towers_multi_stream.pt"] = torch.jit.script(
+        torch_stage.multi_stream(towers, num_streams=2)
+    )
+    modules["towers_plain.pt"] = torch.jit.script(torch_stage.fx.trace(towers, num_streams=2))
+    for name, scripted in modules.items():
+        path = os.path.join(out_dir, name)
+        scripted.save(path)
+        print(f"wrote {path}")
     return 0
 
 

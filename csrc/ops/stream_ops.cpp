@@ -1,0 +1,92 @@
+// TorchScript registration of the stream ops the multi-stream pass emits
+// (torch.ops.torch_stage.fork / set_stream / record_event / wait_event /
+// record_stream / join) and of their run object,
+// torch.classes.torch_stage.StreamRun. Semantics: csrc/streams/stream_run.h.
+//
+// Every op is registered with AliasAnalysisKind::CONSERVATIVE: the ops
+// return nothing (or a fresh object) and read no tensor data, so with
+// FROM_SCHEMA TorchScript would see them as pure and dead-code eliminate,
+// CSE or reorder them (Node::hasSideEffects() is true only for conservative
+// ops; cuda::set_stream is special-cased there for the same reason). The
+// Python side also marks them side-effecting for torch.fx
+// (torch_stage/fx/_ops.py).
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "streams/stream_pool.h"
+#include "streams/stream_run.h"
+
+namespace torch_stage {
+namespace {
+
+using Run = c10::intrusive_ptr<StreamRun>;
+
+constexpr auto kEffectful = c10::AliasAnalysisKind::CONSERVATIVE;
+#define TORCH_STAGE_RUN "__torch__.torch.classes.torch_stage.StreamRun"
+
+} // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
+  m.class_<StreamRun>("StreamRun")
+      .def("is_active", &StreamRun::is_active)
+      .def("device", &StreamRun::device)
+      .def("num_streams", &StreamRun::num_streams)
+      .def("stream_ids", &StreamRun::stream_ids)
+      .def("kept_tensors", &StreamRun::kept_tensors);
+
+  m.def(
+      torch::schema(
+          "fork(int num_streams, int[] side_streams, int num_events, "
+          "Any probes) -> " TORCH_STAGE_RUN,
+          kEffectful),
+      [](int64_t num_streams,
+         std::vector<int64_t> side_streams,
+         int64_t num_events,
+         const c10::IValue& probes) -> Run {
+        return c10::make_intrusive<StreamRun>(
+            StreamRun::device_of(probes),
+            num_streams,
+            side_streams,
+            num_events);
+      });
+  m.def(
+      torch::schema(
+          "set_stream(" TORCH_STAGE_RUN " run, int stream) -> ()", kEffectful),
+      [](const Run& run, int64_t stream) { run->set_stream(stream); });
+  m.def(
+      torch::schema(
+          "record_event(" TORCH_STAGE_RUN " run, int event, int stream) -> ()",
+          kEffectful),
+      [](const Run& run, int64_t event, int64_t stream) {
+        run->record_event(event, stream);
+      });
+  m.def(
+      torch::schema(
+          "wait_event(" TORCH_STAGE_RUN " run, int event, int stream) -> ()",
+          kEffectful),
+      [](const Run& run, int64_t event, int64_t stream) {
+        run->wait_event(event, stream);
+      });
+  // `Any` here and in fork: without example inputs the pass does not know
+  // which values are tensors (a forward argument may be an int, a list of
+  // tensors, ...); non-tensors are skipped.
+  m.def(
+      torch::schema(
+          "record_stream(" TORCH_STAGE_RUN " run, Any value, int stream) -> ()",
+          kEffectful),
+      [](const Run& run, const c10::IValue& value, int64_t stream) {
+        run->record_stream(value, stream);
+      });
+  m.def(
+      torch::schema(
+          "join(" TORCH_STAGE_RUN " run, int[] side_streams) -> ()",
+          kEffectful),
+      [](const Run& run, std::vector<int64_t> side_streams) {
+        run->join(side_streams);
+      });
+  m.def("stream_pool_size(Device device) -> int", [](c10::Device device) {
+    return StreamPool::size(device);
+  });
+}
+
+} // namespace torch_stage

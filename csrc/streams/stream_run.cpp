@@ -1,0 +1,282 @@
+#include "streams/stream_run.h"
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "streams/stream_pool.h"
+
+namespace torch_stage {
+
+namespace {
+
+bool has_streams(c10::DeviceType type) {
+  return type != c10::DeviceType::CPU && type != c10::DeviceType::Meta;
+}
+
+} // namespace
+
+std::optional<c10::Device> StreamRun::device_of(const c10::IValue& probes) {
+  if (probes.isTensor()) {
+    const at::Tensor& t = probes.toTensor();
+    if (t.defined() && t.device().type() != c10::DeviceType::CPU) {
+      return t.device();
+    }
+    return std::nullopt;
+  }
+  auto first = [](const auto& items) -> std::optional<c10::Device> {
+    for (const auto& item : items) {
+      if (auto d = device_of(item)) {
+        return d;
+      }
+    }
+    return std::nullopt;
+  };
+  if (probes.isList()) {
+    return first(probes.toListRef());
+  }
+  if (probes.isTuple()) {
+    return first(probes.toTupleRef().elements());
+  }
+  if (probes.isGenericDict()) {
+    for (const auto& item : probes.toGenericDict()) {
+      if (auto d = device_of(item.value())) {
+        return d;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+StreamRun::StreamRun(
+    std::optional<c10::Device> device,
+    int64_t num_streams,
+    const std::vector<int64_t>& side_streams,
+    int64_t num_events)
+    : owner_(std::this_thread::get_id()),
+      num_streams_(num_streams),
+      device_(device) {
+  TORCH_CHECK_VALUE(
+      num_streams >= 1 && num_streams <= kMaxStreams,
+      "torch_stage.fork: num_streams must be in 1..",
+      kMaxStreams,
+      ", got ",
+      num_streams);
+  TORCH_CHECK_VALUE(
+      num_events >= 0,
+      "torch_stage.fork: num_events must be >= 0, got ",
+      num_events);
+  for (size_t k = 0; k < side_streams.size(); ++k) {
+    const int64_t s = side_streams[k];
+    TORCH_CHECK_VALUE(
+        s >= 1 && s < num_streams,
+        "torch_stage.fork: side stream ",
+        s,
+        " is outside 1..",
+        num_streams - 1,
+        " (stream 0 is the caller's and is not forked)");
+    TORCH_CHECK_VALUE(
+        std::find(side_streams.begin(), side_streams.begin() + k, s) ==
+            side_streams.begin() + k,
+        "torch_stage.fork: side stream ",
+        s,
+        " is listed twice");
+  }
+  forked_ = side_streams;
+  recorded_.assign(static_cast<size_t>(num_events), false);
+  if (!device_ || !has_streams(device_->type())) {
+    return;
+  }
+  impl_ = c10::impl::getDeviceGuardImpl(device_->type());
+  streams_.push_back(impl_->getStream(*device_));
+  for (const auto& s : StreamPool::side_streams(*device_, num_streams)) {
+    streams_.push_back(s);
+  }
+  events_ = StreamPool::acquire_events(*device_, num_events);
+  own_events_ = StreamPool::acquire_events(*device_, num_streams);
+  active_ = true;
+  // Fork: side streams start after everything the caller queued so far,
+  // even when they read nothing of it (the allocator may hand them memory
+  // that pending caller work still uses).
+  if (!forked_.empty()) {
+    own_events_[0].record(streams_[0]);
+    for (const int64_t s : forked_) {
+      own_events_[0].block(streams_[s]);
+    }
+  }
+}
+
+StreamRun::~StreamRun() {
+  if (!active_ || joined_) {
+    return;
+  }
+  try {
+    finish(forked_);
+  } catch (...) {
+    // A destructor must not throw; the device reported the failure already
+    // or will at its next synchronisation.
+  }
+}
+
+void StreamRun::check_usable(const char* op) const {
+  TORCH_CHECK(
+      std::this_thread::get_id() == owner_,
+      "torch_stage.",
+      op,
+      ": this stream run was forked on another thread; a run belongs to the "
+      "thread (and so the current stream) of the call that forked it");
+  TORCH_CHECK(
+      !joined_,
+      "torch_stage.",
+      op,
+      ": the stream run was already joined; fork a new one per call");
+}
+
+void StreamRun::check_stream(const char* op, int64_t stream) const {
+  TORCH_CHECK_VALUE(
+      stream >= 0 && stream < num_streams_,
+      "torch_stage.",
+      op,
+      ": stream ",
+      stream,
+      " is outside the pool of ",
+      num_streams_,
+      " streams (valid: 0..",
+      num_streams_ - 1,
+      ")");
+}
+
+void StreamRun::check_event(const char* op, int64_t event) const {
+  TORCH_CHECK_VALUE(
+      event >= 0 && event < static_cast<int64_t>(recorded_.size()),
+      "torch_stage.",
+      op,
+      ": event ",
+      event,
+      " does not exist (this run has ",
+      recorded_.size(),
+      " events)");
+}
+
+void StreamRun::set_stream(int64_t stream) {
+  check_usable("set_stream");
+  check_stream("set_stream", stream);
+  if (active_ && stream != current_) {
+    impl_->exchangeStream(streams_[stream]);
+  }
+  current_ = stream;
+}
+
+void StreamRun::record_event(int64_t event, int64_t stream) {
+  check_usable("record_event");
+  check_event("record_event", event);
+  check_stream("record_event", stream);
+  TORCH_CHECK(
+      !recorded_[event],
+      "torch_stage.record_event: event ",
+      event,
+      " is recorded twice in one run (the stream plan is inconsistent)");
+  recorded_[event] = true;
+  if (active_) {
+    events_[event].record(streams_[stream]);
+  }
+}
+
+void StreamRun::wait_event(int64_t event, int64_t stream) {
+  check_usable("wait_event");
+  check_event("wait_event", event);
+  check_stream("wait_event", stream);
+  // Waiting on an event that was never recorded is a no-op on the device:
+  // the consumer would run unordered. That is a broken plan, never a race
+  // to tolerate.
+  TORCH_CHECK(
+      recorded_[event],
+      "torch_stage.wait_event: stream ",
+      stream,
+      " waits on event ",
+      event,
+      ", which has not been recorded in this run (the stream plan is "
+      "inconsistent)");
+  if (active_) {
+    events_[event].block(streams_[stream]);
+  }
+}
+
+void StreamRun::keep(const c10::IValue& value, const c10::Stream& stream) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (t.defined() && t.device() == *device_ && t.has_storage()) {
+      impl_->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+      ++kept_tensors_;
+    }
+  } else if (value.isList()) {
+    for (const auto& item : value.toListRef()) {
+      keep(item, stream);
+    }
+  } else if (value.isTuple()) {
+    for (const auto& item : value.toTupleRef().elements()) {
+      keep(item, stream);
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) {
+      keep(item.value(), stream);
+    }
+  }
+}
+
+void StreamRun::record_stream(const c10::IValue& value, int64_t stream) {
+  check_usable("record_stream");
+  check_stream("record_stream", stream);
+  if (active_) {
+    keep(value, streams_[stream]);
+  }
+}
+
+void StreamRun::join(const std::vector<int64_t>& side_streams) {
+  check_usable("join");
+  for (const int64_t s : side_streams) {
+    TORCH_CHECK_VALUE(
+        std::find(forked_.begin(), forked_.end(), s) != forked_.end(),
+        "torch_stage.join: stream ",
+        s,
+        " was not forked by this run (forked: ",
+        c10::IntArrayRef(forked_),
+        ")");
+  }
+  finish(side_streams);
+}
+
+void StreamRun::finish(const std::vector<int64_t>& streams) {
+  joined_ = true;
+  if (!active_) {
+    return;
+  }
+  // Restoring the current stream is only meaningful on the owning thread
+  // (it is thread-local); joins are device work and valid from any thread.
+  if (std::this_thread::get_id() == owner_ && current_ != 0) {
+    impl_->exchangeStream(streams_[0]);
+  }
+  current_ = 0;
+  for (const int64_t s : streams) {
+    own_events_[s].record(streams_[s]);
+    own_events_[s].block(streams_[0]);
+  }
+  StreamPool::release_events(*device_, std::move(events_));
+  StreamPool::release_events(*device_, std::move(own_events_));
+}
+
+std::string StreamRun::device() const {
+  return device_ ? device_->str() : "cpu";
+}
+
+std::vector<int64_t> StreamRun::stream_ids() const {
+  std::vector<int64_t> ids;
+  for (const auto& s : streams_) {
+    ids.push_back(s.id());
+  }
+  return ids;
+}
+
+} // namespace torch_stage

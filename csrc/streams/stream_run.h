@@ -1,0 +1,133 @@
+// StreamRun: the run-time state of one call of a multi-stream module, behind
+// the ops torch.ops.torch_stage.{fork, set_stream, record_event, wait_event,
+// record_stream, join} (csrc/ops/stream_ops.cpp). The FX pass
+// (torch_stage/fx/) emits, in this order:
+//
+//   run = fork(num_streams, side_streams, num_events, probes)
+//   set_stream(run, s)        before a node on stream s (when s changes)
+//   wait_event(run, e, s)     stream s waits on event e
+//   record_stream(run, x, s)  x, produced on another stream, is used on s
+//   <the node>
+//   record_event(run, e, s)   stream s records event e after the node
+//   ...
+//   join(run, side_streams)   stream 0 waits on those streams; the caller's
+//                             stream is current again
+//
+// Device: that of the first non-CPU tensor found in `probes` (the module's
+// inputs and one of its parameters, searched through lists, tuples and
+// dicts). With none, or on a device without streams
+// (CPU, Meta), the run is *inactive*: every op still checks its arguments
+// and the plan's consistency (a wait on an event not yet recorded is an
+// error) and then does nothing, so CPU results are the plain ones.
+//
+// Active run: stream 0 is the device's current stream when fork runs (the
+// caller's), streams 1..N-1 come from StreamPool. Construction records a
+// fork event on stream 0 and makes each listed side stream wait on it;
+// set_stream exchanges the thread's current stream for the device; events
+// come from StreamPool's free list and go back at join. record_stream tells
+// the caching allocator (recordDataPtrOnStream) that the tensors' memory is
+// used on stream s, so it is not handed out again before that work is done.
+// (Design choice: the alternative, holding references until the join,
+// raises peak memory by every cross-stream intermediate and is only safe if
+// nobody else uses the pool's streams; the pass records each producer once
+// per consuming stream, so the allocator cost that makes record_stream
+// notorious (pytorch#76861) stays proportional to the cross-stream edges.)
+//
+// If the call fails between fork and join (an op throws), the StreamRun is
+// destroyed without join: the destructor restores the caller's stream and
+// makes it wait on every forked side stream, so nothing is left running
+// unordered. (In Python the destructor runs when the failed frame is
+// released, i.e. once the exception is handled.)
+//
+// Threads: a StreamRun belongs to the thread that forked it (the current
+// stream is thread-local); any other thread gets an error. Different runs
+// on different threads are independent: each has its own events.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torch_stage {
+
+class StreamRun : public torch::CustomClassHolder {
+ public:
+  // The device a run uses for these probes: that of the first defined
+  // tensor not on CPU, or nullopt (inactive).
+  static std::optional<c10::Device> device_of(const c10::IValue& probes);
+
+  // num_streams in 1..kMaxStreams; side_streams: distinct, each in
+  // 1..num_streams-1 (the streams to fork); num_events >= 0.
+  StreamRun(
+      std::optional<c10::Device> device,
+      int64_t num_streams,
+      const std::vector<int64_t>& side_streams,
+      int64_t num_events);
+  ~StreamRun() override;
+
+  StreamRun(const StreamRun&) = delete;
+  StreamRun& operator=(const StreamRun&) = delete;
+
+  // Makes pool stream `stream` the thread's current stream for the device.
+  void set_stream(int64_t stream);
+  // Pool stream `stream` records event `event` (once per run).
+  void record_event(int64_t event, int64_t stream);
+  // Pool stream `stream` waits on `event`, which must have been recorded.
+  void wait_event(int64_t event, int64_t stream);
+  // Marks every tensor in `value` (tensors, lists, tuples, dicts, None) on
+  // the run's device as used on pool stream `stream`.
+  void record_stream(const c10::IValue& value, int64_t stream);
+  // Stream 0 waits on the given side streams; stream 0 is current again.
+  // After join the run accepts no more ops.
+  void join(const std::vector<int64_t>& side_streams);
+
+  bool is_active() const {
+    return active_;
+  }
+  // "cpu" for an inactive run, else the device ("cuda:0").
+  std::string device() const;
+  int64_t num_streams() const {
+    return num_streams_;
+  }
+  // Ids of the pool's streams (index 0 = the caller's); empty when inactive.
+  std::vector<int64_t> stream_ids() const;
+  // Tensors marked with record_stream so far (active runs only).
+  int64_t kept_tensors() const {
+    return kept_tensors_;
+  }
+
+ private:
+  void check_usable(const char* op) const;
+  void check_stream(const char* op, int64_t stream) const;
+  void check_event(const char* op, int64_t event) const;
+  void keep(const c10::IValue& value, const c10::Stream& stream);
+  // Stream 0 waits on each of `streams`; the caller's stream is current.
+  void finish(const std::vector<int64_t>& streams);
+
+  const std::thread::id owner_;
+  const int64_t num_streams_;
+  bool active_ = false;
+  bool joined_ = false;
+  std::optional<c10::Device> device_;
+  // The device's stream and event interface (active runs only).
+  const c10::impl::DeviceGuardImplInterface* impl_ = nullptr;
+  std::vector<c10::Stream> streams_; // [0] = caller's, [k] = side stream k
+  std::vector<int64_t> forked_;
+  int64_t current_ = 0;
+  std::vector<bool> recorded_;
+  std::vector<c10::Event> events_;
+  // Fork event, then one exit event per side stream.
+  std::vector<c10::Event> own_events_;
+  int64_t kept_tensors_ = 0;
+};
+
+} // namespace torch_stage

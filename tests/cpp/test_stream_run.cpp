@@ -1,0 +1,361 @@
+// StreamRun and StreamPool (csrc/streams/) without a GPU: a fake device
+// (PrivateUse1) registers a DeviceGuardImpl whose streams and events only
+// log what is asked of them, so the device-generic code paths run here and
+// every record, wait and stream switch can be asserted. On CPU the run is
+// inactive and only checks the plan.
+#include "streams/stream_pool.h"
+#include "streams/stream_run.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torch_stage {
+namespace {
+
+constexpr auto kFake = c10::DeviceType::PrivateUse1;
+
+// Streams are named by id: 0 is each device's default (current at start),
+// pool streams are 100 + k for k in 0..pool_size-1, handed out round robin.
+class FakeGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  c10::DeviceType type() const override {
+    return kFake;
+  }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    return d;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(kFake, 0);
+  }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stream(d.index(), current_[d.index()]);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int size = pool_size_.count(d.index()) ? pool_size_[d.index()] : 32;
+    const int k = next_[d.index()]++ % size;
+    return stream(d.index(), 100 + k);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto old = stream(s.device_index(), current_[s.device_index()]);
+    current_[s.device_index()] = s.id();
+    log_.push_back("current s" + std::to_string(s.id()));
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return 4;
+  }
+  void record(
+      void** event,
+      const c10::Stream& s,
+      const c10::DeviceIndex,
+      const c10::EventFlag) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (*event == nullptr) {
+      *event = reinterpret_cast<void*>(++events_created_);
+    }
+    log_.push_back(
+        "record e" + std::to_string(reinterpret_cast<intptr_t>(*event)) + " s" +
+        std::to_string(s.id()));
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_.push_back(
+        "wait e" + std::to_string(reinterpret_cast<intptr_t>(event)) + " s" +
+        std::to_string(s.id()));
+  }
+  bool queryEvent(void*) const override {
+    return true;
+  }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s)
+      const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_.push_back("keep s" + std::to_string(s.id()));
+  }
+
+  std::vector<std::string> take_log() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(log_, {});
+  }
+  int64_t current(c10::DeviceIndex index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return current_[index];
+  }
+  void set_pool_size(c10::DeviceIndex index, int size) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pool_size_[index] = size;
+  }
+  intptr_t events_created() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return events_created_;
+  }
+
+ private:
+  static c10::Stream stream(c10::DeviceIndex index, int64_t id) {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kFake, index), id);
+  }
+
+  mutable std::mutex mutex_;
+  mutable std::map<c10::DeviceIndex, int64_t> current_; // guarded by mutex_
+  mutable std::map<c10::DeviceIndex, int> next_; // guarded by mutex_
+  mutable std::map<c10::DeviceIndex, int> pool_size_; // guarded by mutex_
+  mutable std::vector<std::string> log_; // guarded by mutex_
+  mutable intptr_t events_created_ = 0; // guarded by mutex_
+};
+
+FakeGuardImpl& fake() {
+  static auto* impl = [] {
+    auto* f = new FakeGuardImpl();
+    c10::impl::DeviceGuardImplRegistrar registrar(kFake, f);
+    return f;
+  }();
+  return *impl;
+}
+
+c10::Device fake_device(c10::DeviceIndex index) {
+  fake();
+  return c10::Device(kFake, index);
+}
+
+using Log = std::vector<std::string>;
+
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no error)";
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(StreamRun, InactiveOnCpuButChecksThePlan) {
+  const auto device = StreamRun::device_of(c10::IValue(std::make_tuple(
+      at::ones({2}), int64_t{3}, c10::List<at::Tensor>({at::ones({1})}))));
+  EXPECT_FALSE(device.has_value());
+  StreamRun run(device, 3, {1, 2}, 2);
+  EXPECT_FALSE(run.is_active());
+  EXPECT_EQ(run.device(), "cpu");
+  EXPECT_TRUE(run.stream_ids().empty());
+  run.set_stream(2);
+  run.record_event(1, 2);
+  run.record_stream(at::ones({2}), 0);
+  EXPECT_EQ(run.kept_tensors(), 0);
+  EXPECT_TRUE(contains(
+      error_of([&] { run.wait_event(0, 1); }),
+      "stream 1 waits on event 0, which has not been recorded in this run"));
+  EXPECT_TRUE(contains(
+      error_of([&] { run.record_event(1, 0); }), "event 1 is recorded twice"));
+  EXPECT_TRUE(contains(
+      error_of([&] { run.wait_event(2, 0); }),
+      "event 2 does not exist (this run has 2 events)"));
+  EXPECT_TRUE(contains(
+      error_of([&] { run.set_stream(3); }),
+      "stream 3 is outside the pool of 3 streams (valid: 0..2)"));
+  EXPECT_TRUE(contains(
+      error_of([&] { run.join({0}); }), "stream 0 was not forked by this run"));
+  std::string other;
+  std::thread([&] { other = error_of([&] { run.set_stream(0); }); }).join();
+  EXPECT_TRUE(contains(other, "forked on another thread")) << other;
+  run.wait_event(1, 0);
+  run.join({1, 2});
+  EXPECT_TRUE(contains(
+      error_of([&] { run.set_stream(0); }),
+      "the stream run was already joined"));
+}
+
+TEST(StreamRun, RejectsBadForks) {
+  EXPECT_TRUE(contains(
+      error_of([] { StreamRun(std::nullopt, 0, {}, 0); }),
+      "num_streams must be in 1..32, got 0"));
+  EXPECT_TRUE(contains(
+      error_of([] { StreamRun(std::nullopt, 2, {2}, 0); }),
+      "side stream 2 is outside 1..1"));
+  EXPECT_TRUE(contains(
+      error_of([] { StreamRun(std::nullopt, 3, {1, 1}, 0); }),
+      "side stream 1 is listed twice"));
+  EXPECT_TRUE(contains(
+      error_of([] { StreamRun(std::nullopt, 2, {}, -1); }),
+      "num_events must be >= 0, got -1"));
+}
+
+// The diamond's plan (csrc/schedule tests): node 2 on stream 1 waits for
+// node 0's event; node 3 on stream 0 waits for node 2's.
+TEST(StreamRun, RunsAPlanOnADeviceWithStreams) {
+  const auto device = fake_device(0);
+  fake().take_log();
+  {
+    StreamRun run(device, 3, {1}, 2);
+    ASSERT_TRUE(run.is_active());
+    EXPECT_EQ(run.device(), "privateuseone:0");
+    const auto ids = run.stream_ids();
+    ASSERT_EQ(ids.size(), 3u);
+    EXPECT_EQ(ids[0], 0); // the caller's current stream
+    EXPECT_NE(ids[1], ids[2]);
+    const std::string s1 = "s" + std::to_string(ids[1]);
+    // Fork: the side stream waits for the caller's stream.
+    EXPECT_EQ(fake().take_log(), (Log{"record e1 s0", "wait e1 " + s1}));
+    run.record_event(0, 0); // after node 0
+    run.set_stream(1);
+    run.wait_event(0, 1);
+    run.record_stream(at::ones({2}), 1); // a CPU tensor: not the run's device
+    run.record_event(1, 1); // after node 2
+    run.set_stream(0);
+    run.wait_event(1, 0);
+    EXPECT_EQ(fake().current(0), 0);
+    run.join({});
+    EXPECT_EQ(
+        fake().take_log(),
+        (
+            Log{"record e2 s0",
+                "current " + s1,
+                "wait e2 " + s1,
+                "record e3 " + s1,
+                "current s0",
+                "wait e3 s0"}));
+  }
+  EXPECT_TRUE(fake().take_log().empty());
+}
+
+TEST(StreamRun, JoinRestoresTheCallersStreamAndWaitsForSideStreams) {
+  const auto device = fake_device(1);
+  StreamRun run(device, 2, {1}, 0);
+  const std::string s1 = "s" + std::to_string(run.stream_ids()[1]);
+  fake().take_log();
+  run.set_stream(1);
+  EXPECT_EQ(fake().current(1), run.stream_ids()[1]);
+  run.join({1});
+  EXPECT_EQ(fake().current(1), 0);
+  const Log log = fake().take_log();
+  ASSERT_EQ(log.size(), 4u);
+  EXPECT_EQ(log[0], "current " + s1);
+  EXPECT_EQ(log[1], "current s0");
+  EXPECT_TRUE(contains(log[2], "record") && contains(log[2], s1)) << log[2];
+  EXPECT_TRUE(contains(log[3], "wait") && contains(log[3], " s0")) << log[3];
+}
+
+TEST(StreamRun, AnAbandonedRunRestoresAndJoinsEverything) {
+  const auto device = fake_device(1);
+  fake().take_log();
+  std::vector<int64_t> ids;
+  {
+    StreamRun run(device, 3, {1, 2}, 1);
+    ids = run.stream_ids();
+    run.set_stream(2);
+    run.record_event(0, 2);
+    fake().take_log();
+    // An op of the module throws here; the run is dropped without join.
+  }
+  EXPECT_EQ(fake().current(1), 0);
+  const Log log = fake().take_log();
+  ASSERT_EQ(log.size(), 5u);
+  EXPECT_EQ(log[0], "current s0");
+  EXPECT_TRUE(contains(log[1], "s" + std::to_string(ids[1])));
+  EXPECT_TRUE(contains(log[2], "wait") && contains(log[2], " s0"));
+  EXPECT_TRUE(contains(log[3], "s" + std::to_string(ids[2])));
+  EXPECT_TRUE(contains(log[4], "wait") && contains(log[4], " s0"));
+}
+
+TEST(StreamRun, RecordStreamMarksEveryTensorOnTheDevice) {
+  const auto device = fake_device(2);
+  // A tensor on the fake device, made by hand: factory functions would
+  // need the device's hooks and allocator, the run only needs its storage.
+  std::vector<float> memory(8, 0.0f);
+  auto on_device = [&](int offset) {
+    c10::Storage storage(
+        c10::Storage::use_byte_size_t(),
+        2 * sizeof(float),
+        c10::DataPtr(memory.data() + offset, device),
+        nullptr,
+        false);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(
+        std::move(storage),
+        c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+        caffe2::TypeMeta::Make<float>());
+    impl->set_sizes_contiguous({2});
+    return at::Tensor(std::move(impl));
+  };
+  StreamRun run(device, 2, {1}, 0);
+  fake().take_log();
+  const c10::IValue value(std::make_tuple(
+      on_device(0),
+      at::ones({2}),
+      c10::List<at::Tensor>({on_device(2), on_device(4)}),
+      c10::IValue(),
+      int64_t{3}));
+  // The first non-CPU tensor decides a run's device, however nested.
+  EXPECT_EQ(
+      StreamRun::device_of(c10::IValue(std::make_tuple(
+          at::ones({1}), c10::List<at::Tensor>({on_device(6)})))),
+      device);
+  run.record_stream(value, 1);
+  EXPECT_EQ(run.kept_tensors(), 3);
+  const std::string keep = "keep s" + std::to_string(run.stream_ids()[1]);
+  EXPECT_EQ(fake().take_log(), (Log{keep, keep, keep}));
+  run.join({1});
+}
+
+TEST(StreamPool, TakesSideStreamsOnceAndReusesEvents) {
+  const auto device = fake_device(3);
+  const auto first = StreamPool::side_streams(device, 3);
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(StreamPool::size(device), 2);
+  // Others take from the same round robin meanwhile.
+  fake().getStreamFromGlobalPool(device, false);
+  const auto again = StreamPool::side_streams(device, 2);
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0], first[0]);
+  const auto more = StreamPool::side_streams(device, 5);
+  ASSERT_EQ(more.size(), 4u);
+  EXPECT_EQ(more[0], first[0]);
+  EXPECT_EQ(more[1], first[1]);
+  for (size_t i = 0; i < more.size(); ++i) {
+    for (size_t j = i + 1; j < more.size(); ++j) {
+      EXPECT_NE(more[i], more[j]);
+    }
+  }
+  // Runs reuse the events of finished runs: twenty runs of four records
+  // each create no more native events than one run holds (4 + 3).
+  fake().take_log();
+  const intptr_t created = fake().events_created();
+  for (int i = 0; i < 20; ++i) {
+    StreamRun run(device, 3, {1, 2}, 4);
+    run.record_event(3, 1);
+    run.join({1, 2});
+  }
+  // Per run: fork (record, 2 waits), the event, join (2 records, 2 waits).
+  EXPECT_EQ(fake().take_log().size(), 20u * 8u);
+  EXPECT_LE(fake().events_created() - created, 7);
+}
+
+TEST(StreamPool, RefusesMoreStreamsThanThePoolGivesWithoutAliasing) {
+  EXPECT_TRUE(contains(
+      error_of([] { StreamPool::side_streams(fake_device(3), 33); }),
+      "num_streams must be in 1..32, got 33"));
+  const auto device = fake_device(4);
+  fake().set_pool_size(4, 3);
+  EXPECT_EQ(StreamPool::side_streams(device, 4).size(), 3u);
+  EXPECT_TRUE(contains(
+      error_of([&] { StreamPool::side_streams(device, 5); }),
+      "needs 4 side streams on privateuseone:4, but its stream pool gives "
+      "only 3 distinct streams; use num_streams <= 4"));
+}
+
+} // namespace
+} // namespace torch_stage

@@ -1,0 +1,140 @@
+"""Tracing with stream annotations (torch_stage/fx/annotate.py)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torch_stage
+from torch_stage.fx import trace
+from torch_stage.fx.annotate import META_KEY
+
+
+def _notes(gm):
+    return {n.name: n.meta.get(META_KEY) for n in gm.graph.nodes if n.op.startswith("call_")}
+
+
+class Nested(nn.Module):
+    def forward(self, x):
+        a = x + 1
+        with torch_stage.stream(1):
+            b = x * 2
+            with torch_stage.stream(3):
+                c = b - 1
+            d = c * b
+            with torch_stage.colocate_with(a):
+                e = d + a
+        f = e.sum()
+        return f
+
+
+def test_nodes_get_the_innermost_annotation():
+    gm = trace(Nested(), num_streams=4)
+    notes = _notes(gm)
+    assert notes["add"] is None
+    assert notes["mul"] == {"stream": 1}
+    assert notes["sub"] == {"stream": 3}
+    assert notes["mul_1"] == {"stream": 1}
+    assert notes["add_1"]["colocate"] == "add"
+    assert notes["sum_1"] is None
+
+
+def test_annotations_change_nothing_in_eager_code():
+    x = torch.randn(3, 4)
+    module = Nested()
+    expected = (((x * 2) - 1) * (x * 2) + (x + 1)).sum()
+    assert torch.equal(module(x), expected)
+    # Contexts leave no state behind, even when the block raises.
+    with pytest.raises(KeyError):
+        with torch_stage.stream(2):
+            raise KeyError("inside")
+    gm = trace(Nested(), num_streams=4)
+    assert torch.equal(gm(x), expected)
+
+
+def test_annotations_open_around_the_trace_do_not_leak_into_it():
+    with torch_stage.stream(2):
+        gm = trace(Nested(), num_streams=4)
+    assert _notes(gm)["add"] is None
+
+
+def test_stream_ids_are_checked_against_the_pool_being_traced():
+    with pytest.raises(
+        ValueError, match=r"stream id 3 is outside the pool of 2 streams \(valid ids: 0..1\)"
+    ):
+        trace(Nested(), num_streams=2)
+    with pytest.raises(ValueError, match=r"stream id 32 is outside the pool of 32 streams"):
+        torch_stage.stream(32)
+    with pytest.raises(ValueError, match="stream id -1"):
+        torch_stage.stream(-1)
+    with pytest.raises(TypeError, match="index must be an int, got str"):
+        torch_stage.stream("1")
+    with pytest.raises(TypeError, match="index must be an int, got bool"):
+        torch_stage.stream(True)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        torch_stage.colocate_with(3)
+
+
+def test_plain_fx_tracing_warns_that_annotations_are_lost():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.fx.symbolic_trace(Nested())
+    lost = [
+        str(w.message).split(" inside")[0] for w in caught if "inside torch.fx" in str(w.message)
+    ]
+    assert lost == [
+        "torch_stage.stream(1)",
+        "torch_stage.stream(3)",
+        "torch_stage.colocate_with(...)",
+    ]
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            y = x * 2
+        else:
+            y = x - 2
+        rows = [r + 1 for r in y]
+        return torch.stack(rows) * len(x)
+
+
+def test_control_flow_needs_example_inputs_and_follows_them():
+    with pytest.raises(torch.fx.proxy.TraceError, match="without example inputs"):
+        trace(Branchy())
+    positive = torch.ones(3, 2)
+    with pytest.warns(UserWarning, match="decided from example_inputs"):
+        gm = trace(Branchy(), example_inputs=(positive,))
+    assert torch.equal(gm(positive), Branchy()(positive))
+    # The graph holds the branch the example took.
+    other = torch.full((3, 2), 5.0)
+    assert torch.equal(gm(other), Branchy()(other))
+    code = gm.code
+    assert "mul" in code and "sub" not in code
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = nn.functional.dropout(self.bn(x), 0.5, training=True)
+        if y.sum() > -1e9:
+            return y * 2
+        return y
+
+
+def test_following_control_flow_leaves_no_trace():
+    module = Counting().train()
+    x = torch.randn(8, 4)
+    stats = module.bn.running_mean.clone()
+    tracked = module.bn.num_batches_tracked.clone()
+    state = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace(module, example_inputs=(x,))
+    assert torch.equal(module.bn.running_mean, stats)
+    assert torch.equal(module.bn.num_batches_tracked, tracked)
+    assert torch.equal(torch.get_rng_state(), state)

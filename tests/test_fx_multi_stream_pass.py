@@ -1,0 +1,144 @@
+"""The rewrite with stream ops (torch_stage/fx/multi_stream_pass.py)."""
+
+import pytest
+import torch
+from torch import nn
+from zoo import InPlaceModel, TwoTowerRegression, plain_chain
+
+from torch_stage.fx import MultiStreamPass, _ops, trace
+from torch_stage.fx.multi_stream_pass import VERIFY_ENV
+
+
+def stream_calls(gm):
+    """The stream ops of the rewritten graph, in order, with their constant
+    arguments."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _ops.STREAM_OPS:
+            name = str(n.target).split(".")[-1]
+            args = [a if not isinstance(a, torch.fx.Node) else a.name for a in n.args[1:]]
+            if name == "fork":
+                args = [n.args[0], n.args[1], n.args[2]]
+            out.append((name, *args))
+    return out
+
+
+def test_two_towers_are_rewritten_as_planned():
+    gm = MultiStreamPass(num_streams=2, verify=True)(TwoTowerRegression())
+    assert stream_calls(gm) == [
+        ("fork", 2, [1], 1),
+        ("set_stream", 1),
+        ("record_event", 0, 1),
+        ("set_stream", 0),
+        ("wait_event", 0, 0),
+        ("record_stream", "y_out", 0),
+        ("join", []),
+    ]
+    order = [n.name for n in gm.graph.nodes]
+    # The Y tower runs between the switch to stream 1 and its event.
+    assert order.index("set_stream") < order.index("y_hidden") < order.index("y_out")
+    assert order.index("y_out") < order.index("record_event") < order.index("set_stream_1")
+    assert order.index("wait_event") < order.index("add")
+    assert order[-2:] == ["join", "output"]
+
+
+def test_a_graph_that_needs_one_stream_is_left_alone():
+    module = plain_chain()
+    gm = MultiStreamPass(num_streams=4)(module)
+    assert stream_calls(gm) == []
+    assert gm.code == torch.fx.symbolic_trace(module).code
+    assert len(gm.stream_plan.events) == 0
+    assert gm.stream_plan.streams_used == [0]
+
+
+def test_the_input_graph_module_is_not_modified():
+    traced = trace(TwoTowerRegression(), num_streams=2)
+    before = traced.code
+    gm = MultiStreamPass(num_streams=2)(traced)
+    assert traced.code == before
+    assert "torch_stage" in gm.code
+    # Parameters are shared, not copied.
+    assert gm.x_hidden.weight is traced.x_hidden.weight
+
+
+def test_constants_are_created_on_each_stream_that_reads_them():
+    gm = MultiStreamPass(num_streams=4, strategy="min_sync", verify=True)(InPlaceModel())
+    plan = gm.stream_plan
+    streams = plan.constants["ones_like"]
+    assert streams == sorted({plan.assignment["mul"], plan.assignment["mul_1"]})
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ones_like]
+    assert len(copies) == len(streams)
+    # No wait is due to a constant.
+    assert all(w.after not in ("ones_like",) for w in plan.waits)
+
+
+def test_parameters_and_inputs_never_cause_waits():
+    class SharedWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x, y):
+            return (x @ self.w).sum() + (y @ self.w).sum()
+
+    gm = MultiStreamPass(num_streams=2, strategy="min_sync")(SharedWeight())
+    plan = gm.stream_plan
+    assert plan.streams_used == [0, 1]
+    assert {w.after for w in plan.waits} <= set(plan.assignment)
+    assert plan.cross_stream_edges == 1
+
+
+def test_the_fork_probes_inputs_and_a_parameter_for_the_device():
+    gm = MultiStreamPass(num_streams=2)(TwoTowerRegression())
+    fork = next(n for n in gm.graph.nodes if n.target is _ops.fork)
+    probes = fork.args[3]
+    assert [p.name for p in probes] == ["x", "y", "label", "x_hidden_weight"]
+    assert probes[-1].op == "get_attr"
+
+
+def test_verify_is_on_in_debug_mode(monkeypatch):
+    monkeypatch.setenv(VERIFY_ENV, "1")
+    assert MultiStreamPass().verify
+    monkeypatch.setenv(VERIFY_ENV, "0")
+    assert not MultiStreamPass().verify
+    assert MultiStreamPass(verify=True).verify
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(num_streams=0), ValueError, r"num_streams must be in 1..32, got 0"),
+        (dict(num_streams=-3), ValueError, r"got -3"),
+        (dict(num_streams=33), ValueError, r"got 33: PyTorch's stream pool hands out 32"),
+        (dict(num_streams=2.0), TypeError, "num_streams must be an int, got float"),
+        (dict(num_streams=True), TypeError, "got bool"),
+        (
+            dict(strategy="fastest"),
+            ValueError,
+            r"unknown strategy 'fastest': use one of 'auto', 'min_sync', 'critical_path', "
+            r"'embedding', 'user'",
+        ),
+        (dict(cost_model=3), TypeError, "cost_model must be callable"),
+        (dict(example_inputs=3), TypeError, "example_inputs must be a tuple"),
+    ],
+)
+def test_bad_arguments_are_rejected_before_anything_runs(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MultiStreamPass(**kwargs)
+
+
+def test_a_module_is_required():
+    with pytest.raises(TypeError, match="needs a torch.nn.Module, got function"):
+        MultiStreamPass()(lambda x: x)
+
+
+def test_arguments_with_non_tensor_defaults_are_not_probed():
+    class WithFlag(nn.Module):
+        def forward(self, x, y, scale=None, names=()):
+            return x.exp() + y.sin()
+
+    gm = MultiStreamPass(num_streams=2, strategy="min_sync")(WithFlag())
+    fork = next(n for n in gm.graph.nodes if n.target is _ops.fork)
+    assert [p.name for p in fork.args[3]] == ["x", "y"]
+    x = torch.ones(2)
+    assert torch.equal(gm(x, x), x.exp() + x.sin())

@@ -1,0 +1,227 @@
+"""The stream ops (torch.ops.torch_stage.fork/set_stream/record_event/
+wait_event/record_stream/join, torch_stage/fx/_ops.py) and plan_streams."""
+
+import pytest
+import torch
+
+import torch_stage  # noqa: F401
+from torch_stage.fx import _ops
+
+ops = torch.ops.torch_stage
+
+
+def test_a_cpu_run_is_inactive_but_checks_the_plan():
+    run = ops.fork(3, [1, 2], 2, (torch.ones(2), 3, [torch.ones(1)]))
+    assert not run.is_active()
+    assert run.device() == "cpu"
+    assert run.stream_ids() == []
+    ops.set_stream(run, 2)
+    ops.record_event(run, 0, 2)
+    ops.set_stream(run, 0)
+    ops.wait_event(run, 0, 0)
+    ops.record_stream(run, (torch.ones(2), [torch.ones(1)], 3, None), 0)
+    assert run.kept_tensors() == 0
+    with pytest.raises(RuntimeError, match="waits on event 1, which has not been recorded"):
+        ops.wait_event(run, 1, 0)
+    with pytest.raises(RuntimeError, match="event 0 is recorded twice"):
+        ops.record_event(run, 0, 1)
+    with pytest.raises(
+        ValueError, match=r"stream 3 is outside the pool of 3 streams \(valid: 0..2\)"
+    ):
+        ops.set_stream(run, 3)
+    with pytest.raises(ValueError, match="event 5 does not exist"):
+        ops.record_event(run, 5, 0)
+    with pytest.raises(ValueError, match="stream 0 was not forked"):
+        ops.join(run, [0])
+    ops.join(run, [1, 2])
+    with pytest.raises(RuntimeError, match="already joined"):
+        ops.set_stream(run, 0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, [], 0), "num_streams must be in 1..32, got 0"),
+        ((33, [], 0), "num_streams must be in 1..32, got 33"),
+        ((2, [2], 0), r"side stream 2 is outside 1..1"),
+        ((3, [1, 1], 0), "side stream 1 is listed twice"),
+        ((2, [], -1), "num_events must be >= 0, got -1"),
+    ],
+)
+def test_fork_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        ops.fork(*args, ())
+
+
+def test_stream_ops_survive_fx_dead_code_elimination():
+    for op in _ops.STREAM_OPS:
+        assert op in torch.fx.node._side_effectful_functions
+        assert op.default in torch.fx.node._side_effectful_functions
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    run = graph.call_function(_ops.fork, (2, [1], 1, (x,)))
+    graph.call_function(_ops.set_stream, (run, 1))
+    graph.call_function(_ops.record_event, (run, 0, 1))
+    graph.call_function(_ops.wait_event, (run, 0, 0))
+    graph.call_function(_ops.record_stream, (run, x, 0))
+    graph.call_function(_ops.join, (run, []))
+    graph.output(x)
+    before = len(graph.nodes)
+    assert not graph.eliminate_dead_code()
+    assert len(graph.nodes) == before
+
+
+def _scripted_ops(x: torch.Tensor) -> torch.Tensor:
+    run = torch.ops.torch_stage.fork(2, [1], 1, (x,))
+    torch.ops.torch_stage.set_stream(run, 1)
+    y = x * 2
+    torch.ops.torch_stage.record_event(run, 0, 1)
+    torch.ops.torch_stage.set_stream(run, 0)
+    torch.ops.torch_stage.wait_event(run, 0, 0)
+    torch.ops.torch_stage.record_stream(run, y, 0)
+    z = y + x
+    torch.ops.torch_stage.join(run, [])
+    return z
+
+
+def test_stream_ops_are_kept_in_place_by_torchscript_passes():
+    scripted = torch.jit.script(_scripted_ops)
+    x = torch.arange(4.0)
+    assert torch.equal(scripted(x), x * 3)
+    graph = scripted.graph
+    torch._C._jit_pass_dce(graph)
+    torch._C._jit_pass_cse(graph)
+    torch._C._jit_pass_constant_propagation(graph)
+    kinds = [n.kind() for n in graph.nodes() if n.kind().startswith("torch_stage::")]
+    assert kinds == [
+        "torch_stage::fork",
+        "torch_stage::set_stream",
+        "torch_stage::record_event",
+        "torch_stage::set_stream",
+        "torch_stage::wait_event",
+        "torch_stage::record_stream",
+        "torch_stage::join",
+    ]
+    # The multiply stays between the switch to stream 1 and its event.
+    order = [n.kind() for n in graph.nodes()]
+    assert order.index("aten::mul") > order.index("torch_stage::fork")
+    assert order.index("aten::mul") < order.index("torch_stage::record_event")
+
+
+def _plan(num_nodes, edges, strategy="min_sync", num_streams=2, **kwargs):
+    fields = dict(
+        cost=[1.0] * num_nodes,
+        fixed=[-1] * num_nodes,
+        colocation=[-1] * num_nodes,
+        embedding_group=[-1] * num_nodes,
+    )
+    fields.update(kwargs)
+    return ops.plan_streams(
+        num_nodes,
+        [u for u, _ in edges],
+        [v for _, v in edges],
+        [0] * len(edges),
+        fields["cost"],
+        fields["fixed"],
+        fields["colocation"],
+        fields["embedding_group"],
+        strategy,
+        num_streams,
+        False,
+        True,
+    )
+
+
+def test_plan_streams_plans_a_diamond():
+    strategy, reason, plan = _plan(4, [(0, 1), (0, 2), (1, 3), (2, 3)])
+    assert (strategy, reason) == ("min_sync", "requested")
+    assert plan["stream"] == [0, 0, 1, 0]
+    assert plan["event_node"] == [0, 2]
+    assert plan["wait_node"] == [2, 3]
+    assert plan["wait_event"] == [0, 1]
+    assert plan["keep_node"] == [2, 3]
+    assert plan["keep_producer"] == [0, 2]
+    assert plan["fork"] == [1]
+    assert plan["join"] == []
+    assert plan["stats"] == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(num_nodes=2, edges=[(1, 0)]), ValueError, "edge 1 -> 0 does not go forward"),
+        (
+            dict(num_nodes=2, edges=[(0, 1)], strategy="fastest"),
+            ValueError,
+            "unknown strategy 'fastest'",
+        ),
+        (
+            dict(num_nodes=2, edges=[(0, 1)], cost=[1.0, -2.0]),
+            ValueError,
+            "costs must be finite and >= 0",
+        ),
+        (dict(num_nodes=2, edges=[(0, 1)], cost=[1.0]), ValueError, "cost has 1 entries for 2"),
+        (
+            dict(num_nodes=2, edges=[(0, 1)], fixed=[0, 5]),
+            ValueError,
+            "node 1 is placed on stream 5, outside the pool of 2 streams",
+        ),
+        (dict(num_nodes=2, edges=[(0, 1)], num_streams=0), ValueError, "num_streams must be"),
+    ],
+)
+def test_plan_streams_rejects_bad_input(kwargs, error, message):
+    num_nodes = kwargs.pop("num_nodes")
+    edges = kwargs.pop("edges")
+    with pytest.raises(error, match=message):
+        _plan(num_nodes, edges, **kwargs)
+
+
+@pytest.mark.cuda
+def test_a_cuda_run_uses_the_callers_stream_and_the_shared_pool():
+    x = torch.ones(4, device="cuda")
+    # High priority: a different pool from the side streams' (PyTorch's
+    # pools hand out 32 streams round robin; this one cannot alias them).
+    caller = torch.cuda.Stream(priority=-1)
+    with torch.cuda.stream(caller):
+        run = ops.fork(4, [1, 2, 3], 1, (x,))
+        assert run.is_active()
+        assert run.device() == "cuda:0"
+        ids = run.stream_ids()
+        assert ids[0] == caller.stream_id
+        assert len(set(ids)) == 4
+        ops.set_stream(run, 2)
+        assert torch.cuda.current_stream().stream_id == ids[2]
+        y = x * 2
+        ops.record_event(run, 0, 2)
+        ops.set_stream(run, 0)
+        ops.wait_event(run, 0, 0)
+        ops.record_stream(run, [y, x.cpu()], 0)
+        assert run.kept_tensors() == 1
+        ops.join(run, [1, 3])
+        assert torch.cuda.current_stream().stream_id == caller.stream_id
+        # The same side streams serve every later run on the device.
+        again = ops.fork(3, [1, 2], 0, (x,))
+        assert again.stream_ids()[1:] == ids[1:3]
+        ops.join(again, [1, 2])
+    assert ops.stream_pool_size(torch.device("cuda:0")) >= 3
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+
+
+@pytest.mark.cuda
+def test_an_abandoned_cuda_run_restores_the_callers_stream():
+    x = torch.ones(4, device="cuda")
+    before = torch.cuda.current_stream()
+
+    def fail_midway():
+        run = ops.fork(2, [1], 0, (x,))
+        ops.set_stream(run, 1)
+        assert torch.cuda.current_stream() != before
+        raise KeyError("an op of the module failed")
+
+    try:
+        fail_midway()
+    except KeyError:
+        pass
+    # Handled: the failed frame, and with it the run, is gone.
+    assert torch.cuda.current_stream() == before

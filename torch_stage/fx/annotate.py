@@ -1,0 +1,222 @@
+"""Tracing that records torch_stage's stream annotations.
+
+:class:`AnnotatingTracer` is a ``torch.fx.Tracer`` that stamps every node
+created inside :func:`torch_stage.stream` or :func:`torch_stage.colocate_with`
+with ``node.meta["torch_stage"]``: ``{"stream": i}`` or
+``{"colocate": anchor_name_or_None, "scope": id}`` (the innermost annotation
+wins). With example inputs it also traces through control flow on tensor
+values (``if x.sum() > 0``, ``for row in x``, ``len(x)``) by computing the
+value from the example, like ``torch.jit.trace`` does; the graph then holds
+the branch the example took, and a warning says so.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.fx
+
+from torch_stage import streams as _streams
+from torch_stage.fx._example import clone_inputs, isolated
+
+__all__ = ["AnnotatingTracer", "trace"]
+
+META_KEY = "torch_stage"
+
+
+class _ConcreteProxy(torch.fx.Proxy):
+    """A proxy whose ``len()`` the tracer can compute from example inputs,
+    and which records item assignment (``x[i] = v``, an in-place write the
+    multi-stream pass orders) instead of failing."""
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)
+
+    def __setitem__(self, key, value) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+class AnnotatingTracer(torch.fx.Tracer):
+    """``torch.fx.Tracer`` that records stream annotations in node meta.
+
+    Args:
+        num_streams: the pool size the annotations are checked against while
+            tracing (``torch_stage.stream(i)`` needs ``i < num_streams``);
+            ``None`` checks against :data:`torch_stage.MAX_STREAMS`.
+        example_inputs: positional inputs of ``forward``; when given, control
+            flow on traced values is decided from them.
+    """
+
+    def __init__(
+        self,
+        num_streams: Optional[int] = None,
+        example_inputs: Optional[Sequence[Any]] = None,
+    ):
+        super().__init__()
+        self.num_streams = num_streams
+        self.example_inputs = None if example_inputs is None else tuple(example_inputs)
+        self.specialised: List[str] = []
+        self._base_depth = 0
+        self._values: Dict[torch.fx.Node, Any] = {}
+        self._inputs: Optional[tuple] = None
+        self._evaluating = False
+
+    def trace(self, root, concrete_args=None) -> torch.fx.Graph:
+        state = _streams._annotations
+        saved = (state.tracing, state.pool_size, len(state.stack))
+        state.tracing = True
+        state.pool_size = self.num_streams
+        # Annotations already open around the call do not apply to the module.
+        self._base_depth = len(state.stack)
+        self._values = {}
+        self._inputs = None
+        self.specialised = []
+        try:
+            graph = super().trace(root, concrete_args)
+        finally:
+            state.tracing, state.pool_size = saved[0], saved[1]
+            del state.stack[saved[2] :]
+            self._values = {}
+            self._inputs = None
+        if self.specialised:
+            warnings.warn(
+                "torch_stage: control flow on traced values was decided from "
+                f"example_inputs at {', '.join(self.specialised)}; the traced graph "
+                "assumes inputs that take the same branches",
+                stacklevel=2,
+            )
+        return graph
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        stack = _streams._annotations.stack
+        if kind.startswith("call_") and len(stack) > self._base_depth:
+            what, value = stack[-1]
+            if what == "stream":
+                node.meta[META_KEY] = {"stream": value}
+            else:
+                node.meta[META_KEY] = {"colocate": value.anchor, "scope": id(value)}
+        return node
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    # While example values are computed, the module runs for real: the
+    # tracer's patched Module.__call__ and parameter access must not record.
+    def call_module(self, m, forward, args, kwargs):
+        if self._evaluating:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._evaluating:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    # Control flow on traced values.
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        value = bool(self._concrete(obj, "is used as a condition"))
+        self.specialised.append(f"{obj.node.name} (taken as {value})")
+        return value
+
+    def iter(self, obj: torch.fx.Proxy) -> Iterator:
+        count = len(self._concrete(obj, "is iterated"))
+        self.specialised.append(f"{obj.node.name} (iterated over {count} items)")
+        return iter([obj[i] for i in range(count)])
+
+    def length(self, obj: torch.fx.Proxy) -> int:
+        count = len(self._concrete(obj, "is passed to len()"))
+        self.specialised.append(f"{obj.node.name} (length {count})")
+        return count
+
+    def _concrete(self, obj: torch.fx.Proxy, what: str) -> Any:
+        if self.example_inputs is None:
+            raise torch.fx.proxy.TraceError(
+                f"the traced value {obj.node.name} {what}, which symbolic tracing "
+                "cannot follow without example inputs"
+            )
+        node = obj.node
+        if node not in self._values:
+            self._evaluate_up_to(node)
+        return self._values[node]
+
+    def _evaluate_up_to(self, target: torch.fx.Node) -> None:
+        root = self.root
+        if self._inputs is None:
+            self._inputs = clone_inputs(self.example_inputs)
+        inputs = self._inputs
+        position = 0
+        self._evaluating = True
+        try:
+            with isolated(root, inputs):
+                for node in self.graph.nodes:
+                    if node.op == "placeholder":
+                        value = self._placeholder(node, position, inputs)
+                        position += 1
+                    elif node in self._values:
+                        continue
+                    else:
+                        value = self._run(node, root)
+                    self._values[node] = value
+                    if node is target:
+                        return
+        finally:
+            self._evaluating = False
+
+    def _placeholder(self, node: torch.fx.Node, position: int, inputs: tuple) -> Any:
+        if node.target.startswith("*"):
+            return tuple(inputs[position:])
+        if position < len(inputs):
+            return inputs[position]
+        if node.args:
+            return node.args[0]
+        raise ValueError(
+            f"example_inputs has {len(inputs)} values, but forward needs argument "
+            f"{node.target!r} at position {position}"
+        )
+
+    def _run(self, node: torch.fx.Node, root: torch.nn.Module) -> Any:
+        args = torch.fx.node.map_arg(node.args, self._values.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, self._values.__getitem__)
+        if node.op == "get_attr":
+            value = root
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            return value
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, node.target)(*rest, **kwargs)
+        if node.op == "call_module":
+            return root.get_submodule(node.target)(*args, **kwargs)
+        raise AssertionError(f"cannot evaluate a {node.op} node")
+
+
+def trace(
+    module: torch.nn.Module,
+    num_streams: Optional[int] = None,
+    example_inputs: Optional[Sequence[Any]] = None,
+) -> torch.fx.GraphModule:
+    """Trace ``module`` with :class:`AnnotatingTracer`.
+
+    The result can be inspected or edited, then given to
+    :func:`torch_stage.multi_stream`, which keeps its annotations.
+
+    Args:
+        module: the module to trace.
+        num_streams: the pool size annotations must fit (``None``: up to
+            :data:`torch_stage.MAX_STREAMS`).
+        example_inputs: positional inputs; see :class:`AnnotatingTracer`.
+
+    Returns:
+        A ``torch.fx.GraphModule`` whose nodes carry ``meta["torch_stage"]``
+        where annotated.
+    """
+    tracer = AnnotatingTracer(num_streams=num_streams, example_inputs=example_inputs)
+    graph = tracer.trace(module)
+    name = type(module).__name__ if isinstance(module, torch.nn.Module) else "traced"
+    return torch.fx.GraphModule(tracer.root, graph, name)

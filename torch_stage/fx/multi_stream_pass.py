@@ -1,0 +1,277 @@
+"""The multi-stream pass: plan a graph's streams and rewrite it with stream ops.
+
+(The design sketch calls this module ``fx/pass``; ``pass`` is a Python
+keyword, so it could not be imported by that name.)
+
+For each node that launches device work, in the original order, the
+rewritten graph does::
+
+    set_stream(run, s)           when the stream changes
+    wait_event(run, e, s)        for each wait the plan puts before the node
+    record_stream(run, x, s)     for each producer x first read on s here
+    <the node>                   (constants it reads re-created on s)
+    record_event(run, e, s)      if another stream waits for this node
+
+between ``run = fork(...)`` after the inputs and ``join(run, ...)`` before
+the output. A graph that needs a single stream is returned unchanged (no
+stream ops at all).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+
+from torch_stage.errors import MultiStreamTraceError
+from torch_stage.fx import _ops
+from torch_stage.fx.annotate import AnnotatingTracer
+from torch_stage.fx.partition import CONST, DEVICE, OUTPUT, GraphAnalysis, StreamPlan, plan
+from torch_stage.streams import _check_num_streams, _check_strategy
+
+__all__ = ["MultiStreamPass"]
+
+#: Set to 1 to check every plan with the C++ verifier while planning.
+VERIFY_ENV = "TORCH_STAGE_VERIFY"
+
+
+class MultiStreamPass:
+    """A pass (``call(graph_module) -> graph_module``) that places the nodes
+    of a graph on a pool of streams and inserts the stream ops.
+
+    Calling the pass object on an ``nn.Module`` traces it first (with
+    :class:`torch_stage.fx.annotate.AnnotatingTracer`); :func:`call` takes a
+    ``GraphModule``. The input is never modified: the result is a new
+    ``GraphModule`` sharing the input's parameters and submodules, with a
+    ``stream_plan`` attribute. Arguments are those of
+    :func:`torch_stage.multi_stream`, plus:
+
+    Args:
+        verify: replay the plan with the C++ verifier while planning and
+            raise if it is unsound. Default: on when the environment variable
+            ``TORCH_STAGE_VERIFY=1`` (debug mode).
+    """
+
+    def __init__(
+        self,
+        num_streams: int = 4,
+        strategy: str = "auto",
+        example_inputs: Optional[Sequence[Any]] = None,
+        cost_model: Optional[Callable[[torch.fx.Node], float]] = None,
+        verify: Optional[bool] = None,
+    ):
+        self.num_streams = _check_num_streams(num_streams)
+        self.strategy = _check_strategy(strategy)
+        if cost_model is not None and not callable(cost_model):
+            raise TypeError(
+                "cost_model must be callable as cost_model(node) -> float, "
+                f"got {type(cost_model).__name__}"
+            )
+        self.cost_model = cost_model
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        elif example_inputs is not None:
+            if not isinstance(example_inputs, (list, tuple)):
+                raise TypeError(
+                    "example_inputs must be a tuple (or list) of forward's positional "
+                    f"arguments, got {type(example_inputs).__name__}"
+                )
+            example_inputs = tuple(example_inputs)
+        self.example_inputs = example_inputs
+        if verify is None:
+            verify = os.environ.get(VERIFY_ENV, "0") == "1"
+        self.verify = bool(verify)
+
+    def __call__(self, module: torch.nn.Module) -> torch.fx.GraphModule:
+        if isinstance(module, torch.fx.GraphModule):
+            return self.call(module)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"multi_stream needs a torch.nn.Module, got {type(module).__name__}")
+        return self.call(self.trace(module))
+
+    def trace(self, module: torch.nn.Module) -> torch.fx.GraphModule:
+        """Trace ``module`` keeping stream annotations, or explain why not."""
+        tracer = AnnotatingTracer(self.num_streams, self.example_inputs)
+        name = type(module).__name__
+        try:
+            graph = tracer.trace(module)
+        except (ValueError, TypeError) as exc:
+            if str(exc).startswith("torch_stage."):
+                raise  # a bad annotation: its own message says what to fix
+            raise self._trace_error(name, exc) from exc
+        except Exception as exc:
+            raise self._trace_error(name, exc) from exc
+        return torch.fx.GraphModule(tracer.root, graph, name)
+
+    def _trace_error(self, name: str, exc: Exception) -> MultiStreamTraceError:
+        if self.example_inputs is None:
+            hint = (
+                "Pass example_inputs=(...) so that control flow on tensor values is "
+                "decided from real values while tracing, or compile the model with "
+                'torch.compile(model, backend="torch_stage"), which splits it where '
+                "tracing stops."
+            )
+        else:
+            hint = (
+                "Tracing with example_inputs could not follow it either; compile the "
+                'model with torch.compile(model, backend="torch_stage"), which splits '
+                "it where tracing stops."
+            )
+        return MultiStreamTraceError(
+            f"torch_stage.multi_stream could not trace {name} with torch.fx: "
+            f"{type(exc).__name__}: {exc}. {hint}"
+        )
+
+    def call(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Plan ``graph_module`` and return the rewritten copy."""
+        graph = copy.deepcopy(graph_module.graph)
+        analysis = GraphAnalysis(
+            graph_module, self.example_inputs, self.cost_model, self.num_streams, graph=graph
+        )
+        stream_plan, raw = plan(analysis, self.strategy, self.verify)
+        if raw["fork"]:
+            _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
+            graph.lint()
+        result = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+        result.stream_plan = stream_plan
+        return result
+
+
+class _Rewrite:
+    """Inserts the stream ops into ``gm.graph`` following a raw plan."""
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        graph: torch.fx.Graph,
+        analysis: GraphAnalysis,
+        raw: dict,
+        stream_plan: StreamPlan,
+    ):
+        self.root = root
+        self.graph = graph
+        self.analysis = analysis
+        self.plan = stream_plan
+        self.stream = raw["stream"]
+        count = len(analysis.device_nodes)
+        self.event = raw["event"]
+        self.waits: List[List[int]] = [[] for _ in range(count)]
+        for node, e in zip(raw["wait_node"], raw["wait_event"]):
+            self.waits[node].append(e)
+        self.keeps: List[List[int]] = [[] for _ in range(count)]
+        for node, producer in zip(raw["keep_node"], raw["keep_producer"]):
+            self.keeps[node].append(producer)
+        self.fork = list(raw["fork"])
+        self.join = list(raw["join"])
+        self.num_events = len(raw["event_node"])
+        self.copies: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
+        self.current = 0
+        self.run_node: Optional[torch.fx.Node] = None
+
+    def run(self) -> None:
+        nodes = list(self.graph.nodes)
+        self._fork(nodes)
+        for n in nodes:
+            kind = self.analysis.kind[n]
+            if kind == DEVICE:
+                self._device_node(n)
+            elif kind == OUTPUT:
+                self._output(n)
+            elif kind != CONST:
+                self._constants_for(n, self.current)
+        constants: Dict[str, List[int]] = {}
+        for (c, s), _ in sorted(self.copies.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
+            constants.setdefault(c.name, []).append(s)
+        for c in reversed(self.analysis.constants):
+            if not c.users:
+                self.graph.erase_node(c)
+        self.plan.constants = constants
+
+    def _call(self, op, *args) -> torch.fx.Node:
+        return self.graph.call_function(op, args)
+
+    def _fork(self, nodes: List[torch.fx.Node]) -> None:
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        probes: List[Any] = [p for p in placeholders if self._may_hold_tensor(p)]
+        first = next(n for n in nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            # A parameter too: it decides the device for modules whose
+            # inputs are not tensors.
+            param = next(iter(self._tensor_attributes()), None)
+            if param is not None:
+                probes.append(self.graph.get_attr(param))
+            self.run_node = self._call(
+                _ops.fork, self.plan.num_streams, self.fork, self.num_events, tuple(probes)
+            )
+
+    def _may_hold_tensor(self, p: torch.fx.Node) -> bool:
+        if p.target.startswith("**"):
+            return False
+        measured = p.meta.get("torch_stage_has_tensor")
+        if measured is not None:
+            return measured
+        # An argument defaulting to a non-tensor (None, a flag, []) is
+        # almost never given a tensor; leaving it out also keeps values
+        # torch.ops cannot convert to `Any` (an empty list) out of fork.
+        if p.args and not isinstance(p.args[0], torch.Tensor):
+            return False
+        return True
+
+    def _tensor_attributes(self):
+        for name, _ in self.root.named_parameters():
+            yield name
+        for name, _ in self.root.named_buffers():
+            yield name
+
+    def _switch(self, s: int) -> None:
+        if s != self.current:
+            self._call(_ops.set_stream, self.run_node, s)
+            self.current = s
+
+    def _constants_for(self, n: torch.fx.Node, s: int) -> None:
+        """Re-create on stream ``s`` each constant ``n`` reads (once per stream)."""
+        for c in list(n.all_input_nodes):
+            if self.analysis.kind.get(c) != CONST:
+                continue
+            key = (c, s)
+            if key not in self.copies:
+                with self.graph.inserting_before(n):
+                    self.copies[key] = self.graph.node_copy(c)
+                # zeros_like(c2) where c2 is a constant too.
+                self._constants_for(self.copies[key], s)
+            n.replace_input_with(c, self.copies[key])
+
+    def _device_node(self, n: torch.fx.Node) -> None:
+        i = self.analysis.index[n]
+        s = self.stream[i]
+        run = self.run_node
+        with self.graph.inserting_before(n):
+            self._switch(s)
+            for e in self.waits[i]:
+                self._call(_ops.wait_event, run, e, s)
+            for u in self.keeps[i]:
+                self._call(_ops.record_stream, run, self.analysis.device_nodes[u], s)
+        self._constants_for(n, s)
+        if self.event[i] >= 0:
+            with self.graph.inserting_after(n):
+                self._call(_ops.record_event, run, self.event[i], s)
+
+    def _output(self, n: torch.fx.Node) -> None:
+        run = self.run_node
+        with self.graph.inserting_before(n):
+            # Outputs made on a side stream are used on the caller's stream
+            # from here on: tell the allocator (pytorch#165391 does the same
+            # for Inductor's user streams).
+            for v in n.all_input_nodes:
+                i = self.analysis.index.get(v)
+                if i is not None and self.stream[i] != 0:
+                    self._call(_ops.record_stream, run, v, 0)
+            if any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
+                self._switch(0)
+        self._constants_for(n, 0)
+        with self.graph.inserting_before(n):
+            self._call(_ops.join, run, self.join)
+        self.current = 0

@@ -1,0 +1,681 @@
+"""From a ``torch.fx`` graph to the scheduler's DAG, and the plan it returns.
+
+:class:`GraphAnalysis` sorts the nodes of a graph into
+
+* inputs (placeholders, parameters): ready at entry, never waited on;
+* host nodes: metadata and Python arithmetic on it (``x.shape``,
+  ``x.size(0) * 2``): no device work, so no stream and no event;
+* constants: deterministic factories of fresh tensors (``torch.zeros(n)``):
+  re-created on each stream that uses them, as DeepRec duplicates Const
+  nodes, so they never cause a wait;
+* device nodes: everything else, the nodes of the scheduler's DAG, numbered
+  in graph order (which is the issue order, kept by the rewrite).
+
+Dependencies are data edges (a device node reads another's result) and
+order edges: side-effecting nodes (in-place writes, impure modules) stay in
+their relative order, and an in-place write is ordered after every earlier
+reader and before every later reader of the tensors it may alias. Random ops
+need no edge: their values are fixed by their launch order on the host,
+which the rewrite keeps.
+
+:func:`plan` sends the DAG to ``torch.ops.torch_stage.plan_streams`` (the C++
+scheduler) and wraps the answer in a :class:`StreamPlan`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.passes.shape_prop import ShapeProp
+
+from torch_stage.fx import _ops
+from torch_stage.fx._example import clone_inputs, isolated, tensors_in
+from torch_stage.fx.annotate import META_KEY
+from torch_stage.fx.cost_model import default_cost, is_view
+
+__all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
+
+INPUT, OUTPUT, HOST, CONST, DEVICE = "input", "output", "host", "const", "device"
+
+_HOST_ATTRS = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "is_cuda",
+        "layout",
+        "requires_grad",
+        "is_sparse",
+        "is_quantized",
+        "is_leaf",
+        "names",
+    }
+)
+_HOST_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "stride",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "element_size",
+        "storage_offset",
+        "has_names",
+    }
+)
+_CONST_FACTORIES = frozenset(
+    {
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.empty,
+        torch.arange,
+        torch.eye,
+        torch.tensor,
+        torch.linspace,
+        torch.logspace,
+        torch.scalar_tensor,
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.empty_like,
+    }
+)
+# The same in ATen graphs (torch.compile), by overload packet.
+_CONST_ATEN = frozenset(
+    {
+        torch.ops.aten.zeros,
+        torch.ops.aten.ones,
+        torch.ops.aten.full,
+        torch.ops.aten.empty,
+        torch.ops.aten.arange,
+        torch.ops.aten.eye,
+        torch.ops.aten.scalar_tensor,
+        torch.ops.aten.zeros_like,
+        torch.ops.aten.ones_like,
+        torch.ops.aten.full_like,
+        torch.ops.aten.empty_like,
+    }
+)
+_EMBEDDING_FUNCTIONS = frozenset(
+    {F.embedding, F.embedding_bag, torch.embedding, torch.embedding_bag}
+)
+_EMBEDDING_ATEN = frozenset(
+    {
+        torch.ops.aten.embedding,
+        torch.ops.aten.embedding_bag,
+        torch.ops.aten._embedding_bag,
+        torch.ops.aten._embedding_bag_forward_only,
+    }
+)
+_HOST_MODULES = frozenset({"_operator", "operator", "math", "builtins"})
+
+
+@dataclass(frozen=True)
+class PlanEvent:
+    """Event ``id`` is recorded on ``stream`` right after node ``node``."""
+
+    id: int
+    node: str
+    stream: int
+
+
+@dataclass(frozen=True)
+class PlanWait:
+    """Before node ``node`` runs, its ``stream`` waits on ``event`` (recorded
+    after node ``after``)."""
+
+    node: str
+    stream: int
+    event: int
+    after: str
+
+
+@dataclass
+class StreamPlan:
+    """What the multi-stream pass decided for a graph.
+
+    Attributes:
+        strategy: the strategy that placed the nodes (never ``"auto"``).
+        reason: why (``"requested"``, or the rule ``"auto"`` applied).
+        num_streams: the pool size.
+        assignment: node name -> stream, for every node that launches device
+            work, in graph order.
+        events: the events recorded, in the order of their nodes.
+        waits: the waits, in issue order.
+        keeps: ``(node, producer, stream)``: before ``node``, ``producer``'s
+            tensors are marked as used on ``stream`` (``record_stream``).
+        fork: side streams that wait for the caller's stream at entry.
+        join: side streams the caller's stream waits on at exit.
+        constants: constant node name -> streams it is created on.
+        cross_stream_edges: dependencies between nodes on different streams
+            (each is ordered by a wait, directly or through earlier ones).
+    """
+
+    strategy: str
+    reason: str
+    num_streams: int
+    assignment: Dict[str, int]
+    events: List[PlanEvent]
+    waits: List[PlanWait]
+    keeps: List[Tuple[str, str, int]]
+    fork: List[int]
+    join: List[int]
+    constants: Dict[str, List[int]] = field(default_factory=dict)
+    cross_stream_edges: int = 0
+    chains: int = 0
+    groups: int = 0
+
+    @property
+    def streams_used(self) -> List[int]:
+        """The streams that run at least one node, ascending."""
+        return sorted(set(self.assignment.values()))
+
+    def __str__(self) -> str:
+        used = self.streams_used
+        lines = [
+            f"StreamPlan: strategy {self.strategy} ({self.reason}); "
+            f"{len(used)} of {self.num_streams} streams used, {len(self.events)} events, "
+            f"{len(self.waits)} waits for {self.cross_stream_edges} cross-stream dependencies"
+        ]
+        if self.fork:
+            lines.append(f"  fork: streams {self.fork} wait for stream 0 (the caller's)")
+        waits: Dict[str, List[PlanWait]] = {}
+        for w in self.waits:
+            waits.setdefault(w.node, []).append(w)
+        records = {e.node: e for e in self.events}
+        width = max((len(n) for n in self.assignment), default=4)
+        for name, s in self.assignment.items():
+            notes = [f"wait e{w.event} ({w.after})" for w in waits.get(name, [])]
+            if name in records:
+                notes.append(f"record e{records[name].id}")
+            line = f"  [{s}] {name:<{width}}"
+            if notes:
+                line += "  " + ", ".join(notes)
+            lines.append(line.rstrip())
+        for name, streams in self.constants.items():
+            lines.append(f"  constant {name} created on streams {streams}")
+        if self.fork:
+            joined = self.join if self.join else "none (stream 0 already waited on them)"
+            lines.append(f"  join: stream 0 waits on streams {joined}")
+        return "\n".join(lines)
+
+
+class _ShapeAndAlias(ShapeProp):
+    """ShapeProp that also records, per node, whether its result holds a
+    tensor and which input nodes its result shares memory with."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        produced = tensors_in(result)
+        n.meta["torch_stage_has_tensor"] = bool(produced)
+        ptrs = {_storage_ptr(t) for t in produced} - {None}
+        aliases = []
+        for arg in n.all_input_nodes:
+            if ptrs & {_storage_ptr(t) for t in tensors_in(self.env.get(arg))}:
+                aliases.append(arg.name)
+        n.meta["torch_stage_aliases"] = aliases
+        return result
+
+
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptr or None
+
+
+class _UnionFind:
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def find(self, x: int) -> int:
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+class GraphAnalysis:
+    """The scheduler's view of a graph (see the module doc).
+
+    Args:
+        gm: the graph module (or the module owning ``graph``'s submodules
+            and parameters).
+        example_inputs: positional inputs for one forward call, or None.
+            With them the nodes get ``meta["tensor_meta"]`` (and torch_stage
+            keys).
+        cost_model: ``cost_model(node) -> float`` or None for the default.
+        num_streams: the pool size annotations are checked against.
+        graph: the graph to analyse, if not ``gm.graph`` (a copy about to
+            be rewritten).
+    """
+
+    def __init__(
+        self,
+        gm: torch.nn.Module,
+        example_inputs: Optional[Sequence[Any]],
+        cost_model: Optional[Callable[[torch.fx.Node], float]],
+        num_streams: int,
+        graph: Optional[torch.fx.Graph] = None,
+    ):
+        self.gm = gm
+        self.graph = graph if graph is not None else gm.graph
+        self.num_streams = num_streams
+        self.nodes: List[torch.fx.Node] = list(self.graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.shapes_known = example_inputs is not None
+        self.costs_known = cost_model is not None or self.shapes_known
+        for n in self.nodes:
+            if n.op == "call_function" and n.target in _ops.STREAM_OPS:
+                raise ValueError(
+                    f"the graph already contains torch_stage stream ops ({n.name}); "
+                    "give multi_stream the original module or graph"
+                )
+        if self.shapes_known:
+            self._propagate(example_inputs)
+        self.kind: Dict[torch.fx.Node, str] = {}
+        for n in self.nodes:
+            self.kind[n] = self._classify(n)
+        self.mutated: Dict[torch.fx.Node, List[torch.fx.Node]] = {}
+        for n in self.nodes:
+            if self.kind[n] not in (INPUT, OUTPUT, HOST):
+                targets = self._mutated_args(n)
+                if targets:
+                    self.mutated[n] = targets
+        self._families = self._alias_families()
+        written = {
+            self._families.find(self.position[t]) for ts in self.mutated.values() for t in ts
+        }
+        for n in self.nodes:
+            if self.kind[n] == CONST and (
+                n in self.mutated or self._families.find(self.position[n]) in written
+            ):
+                self.kind[n] = DEVICE
+        self.device_nodes = [n for n in self.nodes if self.kind[n] == DEVICE]
+        self.index = {n: i for i, n in enumerate(self.device_nodes)}
+        self.constants = [n for n in self.nodes if self.kind[n] == CONST]
+        self.edges: Dict[Tuple[int, int], int] = {}
+        self._data_edges()
+        self._order_edges()
+        self.costs = [self._cost(n, cost_model) for n in self.device_nodes]
+        self.fixed, self.colocation = self._placements()
+        self.embedding_group = self._embedding_groups()
+
+    # -- shapes -----------------------------------------------------------
+
+    def _propagate(self, example_inputs: Sequence[Any]) -> None:
+        inputs = clone_inputs(tuple(example_inputs))
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        if len(inputs) > len(placeholders) and not any(
+            p.target.startswith("*") for p in placeholders
+        ):
+            names = ", ".join(p.target for p in placeholders)
+            raise ValueError(
+                f"example_inputs has {len(inputs)} values, but forward takes "
+                f"{len(placeholders)} ({names})"
+            )
+        runnable = self.gm
+        if not isinstance(runnable, torch.fx.GraphModule) or runnable.graph is not self.graph:
+            runnable = torch.fx.GraphModule(self.gm, self.graph)
+        with isolated(runnable, inputs):
+            _ShapeAndAlias(runnable).propagate(*inputs)
+
+    # -- classification ---------------------------------------------------
+
+    def _classify(self, n: torch.fx.Node) -> str:
+        if n.op in ("placeholder", "get_attr"):
+            return INPUT
+        if n.op == "output":
+            return OUTPUT
+        inputs = n.all_input_nodes
+        host_inputs = all(self.kind[a] == HOST for a in inputs)
+        if n.op == "call_function" and n.target is getattr and n.args[1] in _HOST_ATTRS:
+            return HOST
+        if n.op == "call_method" and n.target in _HOST_METHODS:
+            return HOST
+        if n.op == "call_function" and self._factory(n.target) and "out" not in n.kwargs:
+            packet = getattr(n.target, "overloadpacket", n.target)
+            like = str(getattr(packet, "__name__", packet)).endswith("_like")
+            rest = inputs[1:] if like and inputs and n.args and n.args[0] is inputs[0] else inputs
+            if all(self.kind[a] == HOST for a in rest):
+                return CONST
+        if n.op == "call_function" and inputs and host_inputs and self._host_function(n.target):
+            return HOST
+        if n.op == "call_method" and inputs and host_inputs:
+            # A method of a host value (host nodes never hold tensors).
+            return HOST
+        if self.shapes_known and inputs and host_inputs:
+            # Python computing on host values only (the example run saw no
+            # tensor come out).
+            if not n.meta.get("torch_stage_has_tensor", True):
+                return HOST
+        return DEVICE
+
+    @staticmethod
+    def _factory(target: Any) -> bool:
+        if target in _CONST_FACTORIES:
+            return True
+        return getattr(target, "overloadpacket", None) in _CONST_ATEN
+
+    @staticmethod
+    def _host_function(target: Any) -> bool:
+        return getattr(target, "__module__", None) in _HOST_MODULES
+
+    def _mutated_args(self, n: torch.fx.Node) -> List[torch.fx.Node]:
+        found: List[Any] = []
+        target = n.target
+        if n.op == "call_method":
+            if target.endswith("_") and not target.startswith("_") and n.args:
+                found.append(n.args[0])
+        elif n.op == "call_module":
+            module = self.gm.get_submodule(target)
+            if getattr(module, "inplace", False) is True and n.args:
+                found.append(n.args[0])
+        elif n.op == "call_function":
+            if "out" in n.kwargs:
+                found.extend(_flat_nodes(n.kwargs["out"]))
+            if target is operator.setitem:
+                found.append(n.args[0])
+            schema = getattr(target, "_schema", None)
+            if isinstance(target, torch._ops.OpOverloadPacket):
+                schema = getattr(getattr(target, "default", None), "_schema", None)
+            if schema is not None:
+                for i, arg in enumerate(schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                        found.extend(_flat_nodes(value))
+            else:
+                name = getattr(target, "__name__", "")
+                if name.endswith("_") and not name.startswith("_") and n.args:
+                    found.append(n.args[0])
+                elif _inplace_flag(target, n.args, n.kwargs) and n.args:
+                    found.append(n.args[0])
+        return [x for x in found if isinstance(x, torch.fx.Node)]
+
+    def _impure(self, n: torch.fx.Node) -> bool:
+        if n in self.mutated:
+            return True
+        if n.op == "call_module":
+            module = self.gm.get_submodule(n.target)
+            if getattr(module, "_is_impure", False):
+                return True
+            # Batch norm in training updates its running statistics.
+            return (
+                isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+                and module.training
+                and module.track_running_stats
+            )
+        if n.op == "call_function":
+            effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
+            return n.target in effectful
+        return False
+
+    # -- dependencies -----------------------------------------------------
+
+    def _aliases(self, n: torch.fx.Node) -> List[torch.fx.Node]:
+        """Input nodes whose memory ``n``'s result may share."""
+        if self.shapes_known and "torch_stage_aliases" in n.meta:
+            names = set(n.meta["torch_stage_aliases"])
+            return [a for a in n.all_input_nodes if a.name in names]
+        found = []
+        if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+            found.append(n.args[0])
+        # In-place ops return (an alias of) what they write.
+        found.extend(self.mutated.get(n, []))
+        return found
+
+    def _alias_families(self) -> _UnionFind:
+        families = _UnionFind(len(self.nodes))
+        for n in self.nodes:
+            for a in self._aliases(n):
+                families.union(self.position[n], self.position[a])
+        return families
+
+    def _add_edge(self, u: torch.fx.Node, v: torch.fx.Node, kind: int) -> None:
+        key = (self.index[u], self.index[v])
+        if key[0] == key[1]:
+            return
+        # Data (0) wins over order (1).
+        self.edges[key] = min(kind, self.edges.get(key, 1))
+
+    def _data_edges(self) -> None:
+        for v in self.device_nodes:
+            for u in v.all_input_nodes:
+                if self.kind[u] == DEVICE:
+                    self._add_edge(u, v, 0)
+
+    def _order_edges(self) -> None:
+        previous = None
+        for v in self.device_nodes:
+            if self._impure(v):
+                if previous is not None:
+                    self._add_edge(previous, v, 1)
+                previous = v
+        members: Dict[int, List[torch.fx.Node]] = {}
+        for n in self.nodes:
+            members.setdefault(self._families.find(self.position[n]), []).append(n)
+        for m, targets in self.mutated.items():
+            if self.kind[m] != DEVICE:
+                continue
+            family: Set[torch.fx.Node] = set()
+            for t in targets:
+                family.update(members[self._families.find(self.position[t])])
+            for f in family:
+                for r in f.users:
+                    if r is m or self.kind.get(r) != DEVICE or r in family:
+                        continue
+                    if self.position[r] < self.position[m]:
+                        self._add_edge(r, m, 1)
+                    else:
+                        self._add_edge(m, r, 1)
+            # Views created from the family before the write and read after
+            # it are covered through their readers above.
+
+    # -- costs and placements ---------------------------------------------
+
+    def _cost(self, n: torch.fx.Node, cost_model) -> float:
+        if cost_model is None:
+            if self.shapes_known:
+                return default_cost(n, self.gm)
+            return 0.0 if is_view(n) else 1.0
+        value = cost_model(n)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"cost_model must return a number, got {type(value).__name__} ({value!r}) "
+                f"for node {n.name!r} ({n.op} {_target_name(n)})"
+            )
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"cost_model returned {value} for node {n.name!r} ({n.op} {_target_name(n)}): "
+                "costs must be finite and >= 0"
+            )
+        return value
+
+    def _placements(self) -> Tuple[List[int], List[int]]:
+        count = len(self.device_nodes)
+        fixed = [-1] * count
+        for i, n in enumerate(self.device_nodes):
+            note = n.meta.get(META_KEY) or {}
+            if "stream" in note:
+                s = note["stream"]
+                if not 0 <= s < self.num_streams:
+                    raise ValueError(
+                        f"node {n.name!r} is annotated torch_stage.stream({s}), outside the "
+                        f"pool of {self.num_streams} streams (valid ids: "
+                        f"0..{self.num_streams - 1})"
+                    )
+                fixed[i] = s
+        groups = _UnionFind(count)
+        group_fixed = list(fixed)
+
+        def join(a: int, b: int, strict: bool) -> None:
+            ra, rb = groups.find(a), groups.find(b)
+            if ra == rb:
+                return
+            fa, fb = group_fixed[ra], group_fixed[rb]
+            if fa >= 0 and fb >= 0 and fa != fb:
+                if strict:
+                    raise ValueError(
+                        f"torch_stage.colocate_with: {self.device_nodes[a].name!r} and "
+                        f"{self.device_nodes[b].name!r} must share a stream but are "
+                        f"annotated with streams {fa} and {fb}"
+                    )
+                return
+            groups.union(ra, rb)
+            group_fixed[groups.find(ra)] = fa if fa >= 0 else fb
+
+        by_name = {n.name: n for n in self.nodes}
+        scopes: Dict[int, int] = {}
+        for i, n in enumerate(self.device_nodes):
+            note = n.meta.get(META_KEY) or {}
+            if "scope" not in note:
+                continue
+            first = scopes.setdefault(note["scope"], i)
+            join(first, i, True)
+            anchor = by_name.get(note.get("colocate"))
+            if anchor is not None and anchor in self.index:
+                join(self.index[anchor], i, True)
+        # Views follow their producer (they launch nothing), unless annotated.
+        for i, n in enumerate(self.device_nodes):
+            if META_KEY in n.meta or not is_view(n):
+                continue
+            producer = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+            if producer is not None and producer in self.index:
+                join(self.index[producer], i, False)
+        colocation = [-1] * count
+        sizes: Dict[int, int] = {}
+        for i in range(count):
+            root = groups.find(i)
+            sizes[root] = sizes.get(root, 0) + 1
+        for i in range(count):
+            root = groups.find(i)
+            if sizes[root] > 1:
+                colocation[i] = root
+        return fixed, colocation
+
+    def _embedding_groups(self) -> List[int]:
+        groups = [-1] * len(self.device_nodes)
+        count = 0
+        for i, n in enumerate(self.device_nodes):
+            if self._is_embedding(n):
+                groups[i] = count
+                count += 1
+        self.num_embedding_lookups = count
+        return groups
+
+    def _is_embedding(self, n: torch.fx.Node) -> bool:
+        if n.op == "call_module":
+            return isinstance(
+                self.gm.get_submodule(n.target), (torch.nn.Embedding, torch.nn.EmbeddingBag)
+            )
+        if n.op == "call_function":
+            target = n.target
+            packet = getattr(target, "overloadpacket", target)
+            return target in _EMBEDDING_FUNCTIONS or packet in _EMBEDDING_ATEN
+        return False
+
+
+def _flat_nodes(value: Any) -> List[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for item in value for x in _flat_nodes(item)]
+    return [value]
+
+
+def _inplace_flag(target: Any, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("inplace") is True:
+        return True
+    if not inspect.isfunction(target):
+        return False
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _target_name(n: torch.fx.Node) -> str:
+    target = n.target
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+def plan(analysis: GraphAnalysis, strategy: str, verify: bool = False) -> Tuple[StreamPlan, dict]:
+    """Plan the analysed graph with the C++ scheduler.
+
+    Returns the :class:`StreamPlan` and the raw plan (per device node, by
+    position in ``analysis.device_nodes``) the rewrite works from.
+    """
+    count = len(analysis.device_nodes)
+    edges = sorted(analysis.edges.items())
+    chosen, reason, raw = torch.ops.torch_stage.plan_streams(
+        count,
+        [u for (u, _), _ in edges],
+        [v for (_, v), _ in edges],
+        [kind for _, kind in edges],
+        [float(c) for c in analysis.costs],
+        analysis.fixed,
+        analysis.colocation,
+        analysis.embedding_group,
+        strategy,
+        analysis.num_streams,
+        analysis.costs_known,
+        verify,
+    )
+    names = [n.name for n in analysis.device_nodes]
+    stream = list(raw["stream"])
+    events = [
+        PlanEvent(id=e, node=names[node], stream=s)
+        for e, (node, s) in enumerate(zip(raw["event_node"], raw["event_stream"]))
+    ]
+    waits = [
+        PlanWait(
+            node=names[node],
+            stream=stream[node],
+            event=e,
+            after=names[raw["event_node"][e]],
+        )
+        for node, e in zip(raw["wait_node"], raw["wait_event"])
+    ]
+    keeps = [
+        (names[node], names[producer], stream[node])
+        for node, producer in zip(raw["keep_node"], raw["keep_producer"])
+    ]
+    chains, groups, cross = raw["stats"]
+    result = StreamPlan(
+        strategy=chosen,
+        reason=reason,
+        num_streams=analysis.num_streams,
+        assignment=dict(zip(names, stream)),
+        events=events,
+        waits=waits,
+        keeps=keeps,
+        fork=list(raw["fork"]),
+        join=list(raw["join"]),
+        cross_stream_edges=cross,
+        chains=chains,
+        groups=groups,
+    )
+    return result, dict(raw)

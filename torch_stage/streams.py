@@ -1,0 +1,273 @@
+"""Multi-stream execution: stream annotations and :func:`multi_stream`.
+
+Independent parts of a model (towers, branches, embedding lookups) can run on
+different streams of one device, synchronised by events, so small kernels
+that leave the GPU half idle run side by side (DeepRec's GPU MultiStream, in
+PyTorch). :func:`multi_stream` traces a module with ``torch.fx``, plans the
+streams with torch_stage's C++ scheduler and returns a ``GraphModule`` whose
+code calls ``torch.ops.torch_stage.*`` stream ops around the original nodes.
+
+:func:`stream` and :func:`colocate_with` annotate code: while
+:func:`multi_stream` (or :func:`torch_stage.fx.trace`) traces a module, the
+nodes created inside them are placed accordingly; in plain eager execution
+they change nothing, so annotated code computes the same results anywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+
+__all__ = ["MAX_STREAMS", "STRATEGIES", "colocate_with", "multi_stream", "stream"]
+
+#: The most streams a pool may have (counting the caller's): PyTorch's CUDA
+#: pool hands out 32 streams per priority round robin, so a 33rd would alias
+#: the first (pytorch#9646). Same limit as the C++ scheduler's kMaxStreams.
+MAX_STREAMS = 32
+
+#: The strategies :func:`multi_stream` accepts.
+STRATEGIES = ("auto", "min_sync", "critical_path", "embedding", "user")
+
+
+class _Annotations(threading.local):
+    """Per-thread state shared by the context managers and the tracer."""
+
+    def __init__(self):
+        # Innermost last: ("stream", index) or ("colocate", _Scope).
+        self.stack: List[tuple] = []
+        # Set by torch_stage.fx.annotate while it traces in this thread.
+        self.tracing = False
+        self.pool_size: Optional[int] = None
+
+
+_annotations = _Annotations()
+
+
+def _is_plain_fx_tracing() -> bool:
+    """True inside torch.fx tracing that is not torch_stage's own."""
+    if _annotations.tracing:
+        return False
+    module = torch.fx._symbolic_trace
+    # Newer torch splits symbolic tracing from torch.export and warns on the
+    # older, ambiguous query.
+    query = getattr(module, "is_fx_symbolic_tracing", None) or getattr(
+        module, "is_fx_tracing", None
+    )
+    return bool(query and query())
+
+
+def _warn_lost(what: str) -> None:
+    warnings.warn(
+        f"{what} inside torch.fx tracing that is not torch_stage's: the annotation "
+        "is not recorded. Trace with torch_stage.multi_stream(...) or "
+        "torch_stage.fx.trace(...) to keep it.",
+        stacklevel=3,
+    )
+
+
+class stream:
+    """Run the code inside on stream ``index`` of the multi-stream pool.
+
+    While :func:`multi_stream` traces a module, every operation created
+    inside the block is placed on pool stream ``index`` (0 is the caller's
+    stream). Blocks nest; the innermost wins. Outside such tracing the block
+    changes nothing: the code runs as usual on the current stream, with the
+    same results.
+
+    Args:
+        index: the pool stream, ``0 <= index < num_streams`` of the
+            :func:`multi_stream` call tracing the code (at most
+            :data:`MAX_STREAMS` when nothing traces it).
+
+    Raises:
+        TypeError: ``index`` is not an int.
+        ValueError: ``index`` is outside the pool.
+
+    Example::
+
+        def forward(self, x, y):
+            with torch_stage.stream(0):
+                a = self.tower_x(x)
+            with torch_stage.stream(1):
+                b = self.tower_y(y)
+            return a + b
+    """
+
+    def __init__(self, index: int):
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(
+                f"torch_stage.stream(index): index must be an int, "
+                f"got {type(index).__name__} ({index!r})"
+            )
+        size = _annotations.pool_size if _annotations.tracing else None
+        limit = size if size is not None else MAX_STREAMS
+        if not 0 <= index < limit:
+            raise ValueError(
+                f"torch_stage.stream({index}): stream id {index} is outside the pool of "
+                f"{limit} streams (valid ids: 0..{limit - 1})"
+            )
+        self.index = index
+
+    def __enter__(self) -> stream:
+        if _is_plain_fx_tracing():
+            _warn_lost(f"torch_stage.stream({self.index})")
+        _annotations.stack.append(("stream", self.index))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _annotations.stack.pop()
+
+    def __repr__(self) -> str:
+        return f"torch_stage.stream({self.index})"
+
+
+class _Scope:
+    """One colocate_with block: its anchor node's name, if it has one."""
+
+    __slots__ = ("anchor",)
+
+    def __init__(self, anchor: Optional[str]):
+        self.anchor = anchor
+
+
+class colocate_with:
+    """Run the code inside on the same stream as ``x``.
+
+    While :func:`multi_stream` traces a module, the operations created
+    inside the block share a stream with the operation that produced ``x``
+    (if ``x`` is an input or a parameter, they share a stream among
+    themselves). Blocks nest with each other and with :func:`stream`; the
+    innermost wins. Outside such tracing the block changes nothing.
+
+    Args:
+        x: a tensor of the traced code (a ``torch.fx.Proxy`` while tracing),
+            or a ``torch.fx.Node``.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, proxy or node.
+    """
+
+    def __init__(self, x: Union[torch.Tensor, torch.fx.Proxy, torch.fx.Node]):
+        if isinstance(x, torch.fx.Proxy):
+            anchor = x.node.name
+        elif isinstance(x, torch.fx.Node):
+            anchor = x.name
+        elif isinstance(x, torch.Tensor):
+            anchor = None
+        else:
+            raise TypeError(
+                "torch_stage.colocate_with(x): x must be a tensor (a torch.fx.Proxy "
+                f"while tracing) or a torch.fx.Node, got {type(x).__name__}"
+            )
+        self._scope = _Scope(anchor)
+
+    def __enter__(self) -> colocate_with:
+        if _is_plain_fx_tracing():
+            _warn_lost("torch_stage.colocate_with(...)")
+        _annotations.stack.append(("colocate", self._scope))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _annotations.stack.pop()
+
+
+def _check_num_streams(num_streams) -> int:
+    if isinstance(num_streams, bool) or not isinstance(num_streams, int):
+        raise TypeError(
+            f"num_streams must be an int, got {type(num_streams).__name__} ({num_streams!r})"
+        )
+    if not 1 <= num_streams <= MAX_STREAMS:
+        raise ValueError(
+            f"num_streams must be in 1..{MAX_STREAMS}, got {num_streams}: PyTorch's "
+            f"stream pool hands out {MAX_STREAMS} streams per priority, and more would "
+            "alias (run on the same stream)"
+        )
+    return num_streams
+
+
+def _check_strategy(strategy) -> str:
+    if strategy not in STRATEGIES:
+        allowed = ", ".join(repr(s) for s in STRATEGIES)
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {allowed}")
+    return strategy
+
+
+def multi_stream(
+    module: torch.nn.Module,
+    num_streams: int = 4,
+    strategy: str = "auto",
+    example_inputs: Optional[Sequence[Any]] = None,
+    cost_model: Optional[Callable[[torch.fx.Node], float]] = None,
+) -> torch.fx.GraphModule:
+    """Rewrite ``module`` to run its independent parts on several streams.
+
+    The module is traced with ``torch.fx`` (a ``GraphModule`` is taken as
+    is), its nodes are assigned to ``num_streams`` streams of the device it
+    runs on, and the returned ``GraphModule`` calls
+    ``torch.ops.torch_stage.*`` stream ops: it forks side streams from the
+    caller's current stream on entry, records an event after each producer
+    whose result another stream needs, makes consumers wait on them (skipping
+    waits earlier ones imply), marks tensors used off their allocation
+    stream with ``record_stream`` and joins every side stream back into the
+    caller's stream before returning. It can be scripted with
+    ``torch.jit.script``. On CPU the stream ops do nothing and the results
+    are those of ``module``.
+
+    Placement: :func:`stream` and :func:`colocate_with` annotations first,
+    then ``strategy`` for the rest:
+
+    * ``"min_sync"``: as few streams and events as the graph allows (minimum
+      chain cover, Nimble / DeepRec), folded onto ``num_streams``;
+    * ``"critical_path"``: list scheduling by the longest remaining weighted
+      path, using the cost model;
+    * ``"embedding"``: each embedding lookup (``nn.Embedding``,
+      ``nn.EmbeddingBag``, ``F.embedding``, ``F.embedding_bag``) and what
+      hangs only off it on its own stream, round robin; the rest by min_sync;
+    * ``"user"``: annotations only; everything else on stream 0;
+    * ``"auto"``: ``"user"`` when every node is annotated, else
+      ``"embedding"`` with two or more embedding lookups, else
+      ``"critical_path"`` when costs are known (``cost_model`` or
+      ``example_inputs`` given) or the graph has more than 20,000 nodes,
+      else ``"min_sync"``.
+
+    In-place writes and other side effects keep their order (an event orders
+    them across streams); random ops keep their launch order, which fixes
+    their values. Inputs, parameters and small constants never cause waits.
+
+    Args:
+        module: the module, or a ``torch.fx.GraphModule`` (for instance one
+            traced by :func:`torch_stage.fx.trace`).
+        num_streams: streams in the pool, 1..:data:`MAX_STREAMS`; stream 0
+            is the caller's current stream at call time.
+        strategy: one of :data:`STRATEGIES`.
+        example_inputs: positional inputs for one forward call. With them,
+            control flow on tensor values is decided from real values while
+            tracing (the result assumes the same branches), and the default
+            cost model uses their shapes (FLOPs and bytes per op). The module
+            runs once on copies of them (random state and buffers restored).
+        cost_model: ``cost_model(node) -> float``: the cost of a
+            ``torch.fx.Node`` (``node.meta["tensor_meta"]`` holds shapes when
+            ``example_inputs`` are given); finite and ``>= 0``.
+
+    Returns:
+        A ``torch.fx.GraphModule`` with a ``stream_plan`` attribute
+        (:class:`torch_stage.fx.StreamPlan`): the stream of each node, the
+        events and waits, and a readable ``str()``.
+
+    Raises:
+        TypeError / ValueError: a bad argument (named in the message).
+        torch_stage.MultiStreamTraceError: the module cannot be traced; the
+            message says why and what to do.
+    """
+    from torch_stage.fx.multi_stream_pass import MultiStreamPass
+
+    stream_pass = MultiStreamPass(
+        num_streams=num_streams,
+        strategy=strategy,
+        example_inputs=example_inputs,
+        cost_model=cost_model,
+    )
+    return stream_pass(module)

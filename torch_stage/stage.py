@@ -20,7 +20,7 @@ from torch_stage.errors import StageTimeoutError
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
 
-_MAX_STREAMS = _C._MAX_STAGE_STREAMS
+_MAX_STREAMS = _C._MAX_STREAMS
 _names = itertools.count()
 _creation = itertools.count()
 _live: weakref.WeakSet[Stage] = weakref.WeakSet()

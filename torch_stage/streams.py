@@ -21,12 +21,15 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
+from torch_stage import _C
+
 __all__ = ["MAX_STREAMS", "STRATEGIES", "colocate_with", "multi_stream", "stream"]
 
 #: The most streams a pool may have (counting the caller's): PyTorch's CUDA
 #: pool hands out 32 streams per priority round robin, so a 33rd would alias
-#: the first (pytorch#9646). Same limit as the C++ scheduler's kMaxStreams.
-MAX_STREAMS = 32
+#: the first (pytorch#9646). The C++ pool's kMaxStreams, shared with device
+#: staging's stage_subgraph_stream_id.
+MAX_STREAMS = _C._MAX_STREAMS
 
 #: The strategies :func:`multi_stream` accepts.
 STRATEGIES = ("auto", "min_sync", "critical_path", "embedding", "user")

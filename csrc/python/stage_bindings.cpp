@@ -503,7 +503,7 @@ void init_stage(py::module_& m) {
       py::arg("intra_op_threads"),
       py::arg("global_name"));
   m.def("_stage_thread_pool_count", &StagePools::count);
-  m.attr("_MAX_STAGE_STREAMS") = kMaxStageStreams;
+  m.attr("_MAX_STREAMS") = kMaxStreams;
 }
 
 } // namespace torch_stage::python

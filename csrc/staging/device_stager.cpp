@@ -1,5 +1,7 @@
 #include "staging/device_stager.h"
 
+#include "streams/stream_pool.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -7,7 +9,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <map>
 #include <utility>
 
 namespace torch_stage {
@@ -19,26 +20,6 @@ int64_t align_up(int64_t value, int64_t alignment) {
 
 bool fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_quantized();
-}
-
-// Pool streams are taken from PyTorch's pool once per (device, id) for the
-// life of the process: a stream per stage or per epoch would strand the
-// caching allocator's per-stream blocks (timm #2781, vLLM #52951).
-c10::Stream pool_stream(const c10::Device& device, int64_t stream_id) {
-  static std::mutex mu;
-  static std::map<std::pair<std::string, int64_t>, c10::Stream> streams;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(device.str(), stream_id);
-  auto it = streams.find(key);
-  if (it == streams.end()) {
-    c10::impl::VirtualGuardImpl impl(device.type());
-    it = streams
-             .emplace(
-                 key,
-                 impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false))
-             .first;
-  }
-  return it->second;
 }
 
 c10::Device checked_device(c10::Device device) {
@@ -76,16 +57,19 @@ c10::Device checked_device(c10::Device device) {
 
 c10::Stream staging_stream(const c10::Device& device, int64_t stream_id) {
   TORCH_CHECK_VALUE(
-      stream_id >= 0 && stream_id < kMaxStageStreams,
+      stream_id >= 0 && stream_id < kMaxStreams,
       "stage_subgraph_stream_id must be in [0, ",
-      kMaxStageStreams,
+      kMaxStreams,
       ") (0 is the consumer's current stream), got ",
       stream_id);
   c10::impl::VirtualGuardImpl impl(device.type());
   if (device.is_cpu() || stream_id == 0) {
     return impl.getStream(device);
   }
-  return pool_stream(device, stream_id);
+  // The device's one pool, shared with multi-stream execution: streams are
+  // taken once per process, never per stage or per epoch (a stream per
+  // epoch strands the caching allocator's per-stream blocks: timm #2781).
+  return StreamPool::side_streams(device, stream_id + 1).at(stream_id - 1);
 }
 
 } // namespace

@@ -20,8 +20,8 @@
 //
 // Streams: stream_id 0 is the stream that was current on the thread that
 // built the stager (the consumer's, when a stage starts lazily on first
-// take); ids >= 1 index a per-device pool taken from PyTorch's stream pool
-// once per process (never a new stream per epoch or per call).
+// take); ids >= 1 are the device's StreamPool side streams, the same pool
+// multi-stream execution uses (never a new stream per epoch or per call).
 //
 // Threads: stage() may be called from several producer threads at once; the
 // free list has its own lock. hand_over() is static and thread-safe.
@@ -41,11 +41,9 @@
 #include <vector>
 
 #include "staging/stage.h"
+#include "streams/stream_pool.h"
 
 namespace torch_stage {
-
-// Streams PyTorch's pool hands out before they alias (32 per priority).
-constexpr int64_t kMaxStageStreams = 32;
 
 struct FusedLayout {
   // For each tensor of the bundle: its byte offset in the fused buffer, or
@@ -74,7 +72,7 @@ class DeviceStager {
  public:
   static constexpr int64_t kAlignment = 64;
 
-  // Throws c10::ValueError for a stream id outside [0, kMaxStageStreams) or
+  // Throws c10::ValueError for a stream id outside [0, kMaxStreams) or
   // a device that does not exist.
   DeviceStager(c10::Device device, int64_t stream_id, bool fuse_on_cpu = false);
 

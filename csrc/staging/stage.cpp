@@ -613,9 +613,9 @@ StageOptions checked(StageOptions o) {
   (void)StagePools::config(o.pool_id); // checks the id
   if (!o.device.has_value()) {
     TORCH_CHECK_VALUE(
-        o.stream_id >= 0 && o.stream_id < kMaxStageStreams,
+        o.stream_id >= 0 && o.stream_id < kMaxStreams,
         "stage_subgraph_stream_id must be in [0, ",
-        kMaxStageStreams,
+        kMaxStreams,
         ") (0 is the consumer's current stream), got ",
         o.stream_id);
   }

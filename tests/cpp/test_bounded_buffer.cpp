@@ -102,7 +102,8 @@ TEST(BoundedBuffer, TryPutTimesOutWhenFullAndKeepsTheItem) {
   EXPECT_EQ(buffer.try_put_for(item, -5ms), BufferStatus::kTimeout);
   const auto s = buffer.stats();
   EXPECT_EQ(s.put, 1u);
-  EXPECT_GE(s.producer_blocked_ns, 20'000'000);
+  // As for takes: the wait is measured after the deadline is fixed.
+  EXPECT_GE(s.producer_blocked_ns, 19'000'000);
 }
 
 TEST(BoundedBuffer, TryTakeTimesOutWhenEmpty) {
@@ -112,8 +113,8 @@ TEST(BoundedBuffer, TryTakeTimesOutWhenEmpty) {
   EXPECT_EQ(buffer.try_take_for(out, 0ms), BufferStatus::kTimeout);
   // The deadline is fixed before the lock is taken and the wait measured, so
   // the measured wait may fall a few microseconds short of the timeout (it
-  // did under ThreadSanitizer): check that it waited, not the exact time.
-  EXPECT_GE(buffer.stats().consumer_wait_ns, 10'000'000);
+  // did under ThreadSanitizer); a millisecond of slack covers that.
+  EXPECT_GE(buffer.stats().consumer_wait_ns, 19'000'000);
 }
 
 TEST(BoundedBuffer, HugeTimeoutsDoNotOverflow) {

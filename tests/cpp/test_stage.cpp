@@ -259,7 +259,7 @@ TEST(DeviceStager, FusesIntoOneBufferAndReusesHostBuffers) {
 
 TEST(DeviceStager, RejectsStreamsOutsideThePool) {
   EXPECT_THROW(
-      DeviceStager(c10::Device(c10::kCPU), kMaxStageStreams), c10::ValueError);
+      DeviceStager(c10::Device(c10::kCPU), kMaxStreams), c10::ValueError);
   EXPECT_THROW(DeviceStager(c10::Device(c10::kCPU), -1), c10::ValueError);
 }
 

@@ -504,8 +504,12 @@ struct Stage::State : std::enable_shared_from_this<State> {
     }
     if (last) {
       // The last producer out ends the stream: what is buffered drains,
-      // then consumers see the end (as DeepRec's last runner closes).
-      buffer.close();
+      // then consumers see the end (as DeepRec's last runner closes). Not
+      // when close() stopped it: consumers must see "closed", which the
+      // cancel that close() issues right after setting `stop` reports.
+      if (!stop.load()) {
+        buffer.close();
+      }
       finished.store(true);
     }
     exit_cv.notify_all();

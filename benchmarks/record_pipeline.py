@@ -40,8 +40,8 @@ Pipelines (all produce board, flags and score per batch of --batch-size):
     workers.
 (c) ``torch_stage``: RecordInput (C++ reader threads, shuffle pool) ->
     parse_example (C++, GIL released, straight into batch tensors) ->
-    the same unpack, on plain Python threads feeding a queue (the
-    torch_stage.staged() version comes with the stage integration).
+    the same unpack, as the work of a torch_stage.staged() stage whose C++
+    producer threads run it in parallel.
 (d) ``tf_data``: tf.data itself (TFRecordDataset, shuffle, batch, then
     tf.io.parse_example and the unpack in one map, prefetch), when
     TensorFlow is importable here or in --tf-python (run as a subprocess);
@@ -58,10 +58,8 @@ import argparse
 import json
 import os
 import platform
-import queue
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -417,80 +415,21 @@ def stage_specs():
     }
 
 
-def threaded_pipeline(records, n_threads, depth=4):
-    """Batches from `records` (an iterator of RecordBatch), parsed in C++ and
-    unpacked by `n_threads` plain threads into a bounded queue. Yields
-    (board, flags, score); stops its threads when closed."""
+def run_c(paths, args):
+    """RecordInput feeding a stage whose threads parse in C++ and unpack.
+
+    The stage's producer threads use one intra-op thread each (as DataLoader
+    workers do): the parallelism comes from the threads, OpenMP teams do
+    not fight over the cores, and the main thread's setting is untouched.
+    """
     import torch_stage
 
     specs = stage_specs()
     unpack = Unpacker()
-    out = queue.Queue(depth)
-    lock = threading.Lock()
-    stop = threading.Event()
-    done = object()
 
-    def work():
-        try:
-            while not stop.is_set():
-                with lock:  # RecordInput is thread-safe; the lock keeps
-                    batch = next(records, None)  # other iterators safe too
-                if batch is None:
-                    break
-                parsed = torch_stage.parse_example(batch, specs)
-                item = unpack(parsed["d"], parsed["s"])
-                while not stop.is_set():
-                    try:
-                        out.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-        finally:
-            out.put(done)
-
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(n_threads)]
-    for t in threads:
-        t.start()
-
-    def batches():
-        finished = 0
-        try:
-            while finished < n_threads:
-                item = out.get()
-                if item is done:
-                    finished += 1
-                    continue
-                yield item
-        finally:
-            stop.set()
-            while any(t.is_alive() for t in threads):
-                try:
-                    out.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-            for t in threads:
-                t.join()
-
-    return batches()
-
-
-def run_c(paths, args):
-    import torch
-
-    # One intra-op thread per worker thread, as DataLoader workers run:
-    # parallelism comes from the threads, and OpenMP teams do not fight
-    # each other (or other processes) for the cores. Threads started below
-    # take the setting at their first parallel op.
-    intra_op = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run_c(paths, args)
-    finally:
-        torch.set_num_threads(intra_op)
-
-
-def _run_c(paths, args):
-    import torch_stage
+    def parse_and_unpack(batch):
+        parsed = torch_stage.parse_example(batch, specs)
+        return unpack(parsed["d"], parsed["s"])
 
     with torch_stage.RecordInput(
         paths,
@@ -499,9 +438,19 @@ def _run_c(paths, args):
         batch_size=args.batch_size,
         seed=301,
     ) as records:
-        batches = threaded_pipeline(records, args.threads)
-        result = measure(batches, args.examples)
-        batches.close()
+        with torch_stage.staged(
+            records,
+            transform=parse_and_unpack,
+            num_threads=args.threads,
+            capacity=4,
+            name="record_pipeline",
+        ) as stage:
+            result = measure(stage, args.examples)
+            stats = stage.stats()
+        result["stage"] = {
+            k: stats[k]
+            for k in ("bound", "consumer_wait_s", "producer_blocked_s", "gil_wait_s", "transform_s")
+        }
         result["record_input"] = records.stats()
     return result
 

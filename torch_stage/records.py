@@ -18,11 +18,13 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Seq
 import torch
 
 from torch_stage import _C
+from torch_stage._checks import check_int
 
 __all__ = [
     "FixedLenFeature",
     "Ragged",
     "RecordBatch",
+    "RecordDataset",
     "RecordInput",
     "RecordWriter",
     "VarLenFeature",
@@ -40,14 +42,6 @@ _DTYPE_NAMES = "torch.int64, torch.float32 or torch.uint8 (bytes)"
 
 
 # --------------------------------------------------------------- checks
-
-
-def _check_int(name: str, value, minimum: int, rule: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be {rule}, got {value}")
-    return value
 
 
 def _check_compression(compression) -> Optional[str]:
@@ -467,7 +461,7 @@ def read_records(
     patterns = _patterns(path_or_pattern)
     compression = _check_compression(compression)
     if batch_size is not None:
-        _check_int("batch_size", batch_size, 1, ">= 1")
+        check_int("batch_size", batch_size, 1, ">= 1")
     files = _C._match_files(patterns)
     return _read(files, compression, batch_size)
 
@@ -620,12 +614,12 @@ class RecordInput:
     ):
         self._handle = None
         patterns = _patterns(file_pattern, "file_pattern")
-        _check_int("parallelism", parallelism, 1, ">= 1")
-        _check_int("buffer_size", buffer_size, 1, ">= 1")
-        _check_int("batch_size", batch_size, 1, ">= 1")
-        _check_int("prefetch_batches", prefetch_batches, 1, ">= 1")
+        check_int("parallelism", parallelism, 1, ">= 1")
+        check_int("buffer_size", buffer_size, 1, ">= 1")
+        check_int("batch_size", batch_size, 1, ">= 1")
+        check_int("prefetch_batches", prefetch_batches, 1, ">= 1")
         if seed is not None:
-            _check_int("seed", seed, 0, ">= 0 (or None for a random seed)")
+            check_int("seed", seed, 0, ">= 0 (or None for a random seed)")
             if seed >= 2**64:
                 raise ValueError(f"seed must be < 2**64, got {seed}")
         if isinstance(shift_ratio, bool) or not isinstance(shift_ratio, (int, float)):
@@ -646,7 +640,7 @@ class RecordInput:
                 f"0 <= rank < world_size, got {tuple(shard)}"
             )
         if epochs is not None:
-            _check_int("epochs", epochs, 1, ">= 1 (or None to repeat forever)")
+            check_int("epochs", epochs, 1, ">= 1 (or None to repeat forever)")
         self.batch_size = batch_size
         self.epochs = epochs
         self._handle = _C._RecordInput(
@@ -721,3 +715,44 @@ class RecordInput:
             f"RecordInput(files={s['files']}, readers={s['readers']}, "
             f"batch_size={self.batch_size}, epochs={self.epochs}, closed={s['closed']})"
         )
+
+
+class RecordDataset(torch.utils.data.IterableDataset):
+    """TFRecord batches as an ``IterableDataset``, for ``torch_stage.DataLoader``
+    (or ``torch.utils.data.DataLoader``) with ``batch_size=None``.
+
+    Each iteration makes its own :class:`RecordInput`, in the process that
+    iterates (reader threads do not survive a fork into DataLoader workers).
+    With ``num_workers > 0``, worker ``w`` of ``W`` reads file shard
+    ``rank * W + w`` of ``world_size * W``, so every file is read by exactly
+    one worker of one rank: there must be at least that many files.
+
+    Args:
+        file_pattern: as for :class:`RecordInput`.
+        **kwargs: the other :class:`RecordInput` arguments (``epochs``
+            defaults to 1 here: one pass per DataLoader epoch).
+
+    Example::
+
+        loader = torch_stage.DataLoader(
+            torch_stage.RecordDataset("train-*.tfrecord", batch_size=256),
+            batch_size=None, num_workers=2,
+            transform=lambda batch: torch_stage.parse_example(batch, features),
+            device="cuda")
+    """
+
+    def __init__(self, file_pattern, **kwargs):
+        kwargs.setdefault("epochs", 1)
+        self.file_pattern = file_pattern
+        self.kwargs = kwargs
+        # Check the arguments and the files now (no thread starts until a
+        # RecordInput is iterated).
+        RecordInput(file_pattern, **kwargs).close()
+
+    def __iter__(self) -> RecordInput:
+        rank, world = self.kwargs.get("shard", (0, 1))
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            rank, world = rank * info.num_workers + info.id, world * info.num_workers
+        kwargs = dict(self.kwargs, shard=(rank, world))
+        return RecordInput(self.file_pattern, **kwargs)

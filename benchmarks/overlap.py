@@ -12,8 +12,9 @@ step time of:
 * ``torch_stage``: torch_stage.staged over the source;
 
 plus torch_stage's efficiency = step time / max(D, C) (1.0 is perfect
-overlap), with D and C measured alone in the same cell, and the producers'
-GIL wait per item. Then the per-item overhead of
+overlap), with D and C measured alone in the same round, and the producers'
+GIL wait per item. Each cell runs every method once per round, for several
+rounds, and reports medians. Then the per-item overhead of
 torch_stage and the Prefetcher with a trivial source (range). Steady state
 only: every method's clock starts after its first item. Prints JSON.
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -57,9 +59,10 @@ def source(n, data_ms):
 
 
 class Compute:
-    """Torch ops that take about `ms` milliseconds."""
+    """Torch ops that take about `ms` milliseconds (calibrated once)."""
 
     def __init__(self, ms):
+        self.ms = ms
         self.a = torch.randn(256, 256)
         one = self._time(1)
         self.reps = max(1, round(ms / one))
@@ -91,45 +94,66 @@ def timed(iterable, compute, steps):
     return (time.perf_counter() - start) / n * 1000
 
 
-def cell(data_ms, compute_ms, steps):
-    compute = Compute(compute_ms)
-    n = steps + 1
-    results = {"data_ms": data_ms, "compute_ms": compute_ms}
+def cell(data_ms, compute, steps, rounds):
+    """One (D, C) cell: every method once per round, medians over rounds.
 
-    def plain():
+    Each round also measures D and C alone, so each round's efficiency
+    compares measurements taken side by side; a noisy neighbour then moves
+    numerator and denominator together.
+    """
+    n = steps + 1
+
+    def plain_source():
         for i in range(n):
             time.sleep(data_ms / 1000)
             yield torch.full((256,), float(i))
 
-    # D and C as measured here and now: on a noisy machine the nominal
-    # values drift, and efficiency must compare like with like.
-    results["data_alone"] = timed(plain(), lambda item: None, steps)
     items = [torch.full((256,), float(i)) for i in range(n)]
-    results["compute_alone"] = timed(items, compute, steps)
-    results["plain"] = timed(plain(), compute, steps)
-    results["dataloader_w0"] = timed(
-        tud.DataLoader(SleepData(n, data_ms), batch_size=None), compute, steps
-    )
-    results["dataloader_w2"] = timed(
-        tud.DataLoader(SleepData(n, data_ms), batch_size=None, num_workers=2), compute, steps
-    )
-    if Prefetcher is not None:
-        results["torchdata_prefetcher"] = timed(
-            Loader(Prefetcher(IterableWrapper(source(n, data_ms)), prefetch_factor=2)),
-            compute,
-            steps,
+    runs = {}
+
+    def record(name, value):
+        runs.setdefault(name, []).append(value)
+
+    for _ in range(rounds):
+        record("data_alone", timed(plain_source(), lambda item: None, steps))
+        record("compute_alone", timed(items, compute, steps))
+        record("plain", timed(plain_source(), compute, steps))
+        record(
+            "dataloader_w0",
+            timed(tud.DataLoader(SleepData(n, data_ms), batch_size=None), compute, steps),
         )
-    stage = torch_stage.staged(source(n, data_ms), capacity=2, name="overlap")
-    results["torch_stage"] = timed(stage, compute, steps)
-    stats = stage.stats()
-    stage.close()
-    results = {k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}
-    results["torch_stage_efficiency"] = round(
-        results["torch_stage"] / max(results["data_alone"], results["compute_alone"]), 3
-    )
-    results["torch_stage_gil_wait_ms_per_item"] = round(
-        stats["gil_wait_s"] * 1000 / max(stats["produced"], 1), 4
-    )
+        record(
+            "dataloader_w2",
+            timed(
+                tud.DataLoader(SleepData(n, data_ms), batch_size=None, num_workers=2),
+                compute,
+                steps,
+            ),
+        )
+        if Prefetcher is not None:
+            record(
+                "torchdata_prefetcher",
+                timed(
+                    Loader(Prefetcher(IterableWrapper(source(n, data_ms)), prefetch_factor=2)),
+                    compute,
+                    steps,
+                ),
+            )
+        stage = torch_stage.staged(source(n, data_ms), capacity=2, name="overlap")
+        record("torch_stage", timed(stage, compute, steps))
+        stats = stage.stats()
+        stage.close()
+        record(
+            "torch_stage_efficiency",
+            runs["torch_stage"][-1] / max(runs["data_alone"][-1], runs["compute_alone"][-1]),
+        )
+        record(
+            "torch_stage_gil_wait_ms_per_item",
+            stats["gil_wait_s"] * 1000 / max(stats["produced"], 1),
+        )
+
+    results = {"data_ms": data_ms, "compute_ms": compute.ms}
+    results.update({k: round(statistics.median(v), 4) for k, v in runs.items()})
     results["torch_stage_vs_plain"] = round(results["plain"] / results["torch_stage"], 3)
     return results
 
@@ -167,11 +191,21 @@ def per_item_overhead(n):
 def main() -> int:
     parser = argparse.ArgumentParser(description="data/compute overlap")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per cell")
     parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=1,
+        help="the compute side's torch threads (the same for every method); with 1,"
+        " a 2-core machine keeps a core for the data side, and OpenMP team"
+        " barriers do not stall when a neighbour takes a core",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.intra_op_threads)
     data = [1, 5, 10, 20] if not args.quick else [5]
-    comp = [5, 10, 20] if not args.quick else [5]
-    cells = [cell(d, c, args.steps) for d in data for c in comp]
+    comp = [Compute(c) for c in ([5, 10, 20] if not args.quick else [5])]
+    cells = [cell(d, c, args.steps, args.rounds) for d in data for c in comp]
     big = [c for c in cells if c["data_ms"] >= 5 and c["compute_ms"] >= 5]
     report = {
         "benchmark": "overlap",
@@ -182,7 +216,8 @@ def main() -> int:
             "intra_op_threads": torch.get_num_threads(),
         },
         "steps": args.steps,
-        "unit": "ms per step (steady state)",
+        "rounds": args.rounds,
+        "unit": "ms per step (steady state), median over rounds",
         "cells": cells,
         "worst_efficiency_for_D_C_at_least_5ms": max(c["torch_stage_efficiency"] for c in big),
         "trivial_source_per_item": per_item_overhead(50_000 if not args.quick else 5_000),

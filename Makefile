@@ -34,7 +34,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(BUILD)/.ext-stamp
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py pyproject.toml
 CPP_SOURCES := $(shell find csrc tests/cpp benchmarks/cpp examples -name '*.cpp' -o -name '*.h' 2>/dev/null)
-CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp -name CMakeLists.txt)
+CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -name CMakeLists.txt)
 PYTEST_ARGS ?=
 , := ,
 

@@ -1,11 +1,24 @@
 """Multi-stream execution: the model zoo of tests/zoo.py and planning time.
 
-* ``models``: for each zoo model, whether the rewritten module
-  (``torch_stage.multi_stream``, 4 streams) returns exactly what the eager
-  module returns, the plan's size, and on a GPU the time per call of eager
-  single-stream execution against the rewritten module, measured in the same
-  run with CUDA events (median of ``--iters`` calls after warm-up), and their
-  ratio. On CPU the stream ops do nothing, so only the match is reported.
+* ``models``: for each zoo model at a small batch (``--batch``, default 1),
+  in the same run:
+
+  - ``eager_single_stream``: the module as written;
+  - ``eager_multi_stream``: ``torch_stage.multi_stream(module, 4 streams)``;
+  - ``cuda_graph_single_stream`` / ``cuda_graph_multi_stream``: the same
+    two replayed from CUDA graphs (``cuda_graphs=True``; GPU only);
+  - ``compile_inductor``: ``torch.compile(module)`` (default backend);
+  - ``compile_torch_stage``: ``torch.compile(module, backend="torch_stage")``.
+
+  Each row says whether every variant's results match eager (exactly for
+  the torch_stage variants on CPU, within float tolerance otherwise; random
+  models are compared only where they draw in eager order), the plan's
+  size, and times per call: on a GPU with CUDA events (``gpu_ms``, median of
+  ``--iters`` calls after warm-up) and the ratio of each to eager single
+  stream. On CPU there are no streams and no CUDA graphs: the stream ops do
+  nothing, so ``cpu_ms`` (wall clock, same method) measures only what is
+  meaningful there: the host overhead of the stream ops, of Dynamo, and
+  inductor's CPU code. The CUDA graph variants are reported as skipped.
 * ``planning``: time of the C++ scheduler (``torch.ops.torch_stage.
   plan_streams``, the sync plan included) per strategy on layered random
   DAGs of 100, 1,000 and 10,000 nodes, and of the whole FX pass (analysis,
@@ -13,7 +26,7 @@
 
 Prints one JSON document.
 
-Usage: python benchmarks/multi_stream.py [--iters N] [--batch N]
+Usage: python benchmarks/multi_stream.py [--iters N] [--batch N] [--no-inductor]
 """
 
 import argparse
@@ -37,6 +50,7 @@ import zoo  # noqa: E402
 
 SIZES = [100, 1000, 10000]
 STRATEGIES = ["min_sync", "critical_path", "embedding", "user"]
+NUM_STREAMS = 4
 
 
 def _gpu_ms(fn, inputs, iters):
@@ -52,39 +66,88 @@ def _gpu_ms(fn, inputs, iters):
     return statistics.median(times)
 
 
-def bench_models(device, batch, iters):
+def _cpu_ms(fn, inputs, iters):
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn(*inputs)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _variants(module, device, inductor):
+    """name -> callable; the CUDA graph ones only on a GPU."""
+    torch._dynamo.reset()
+    variants = {
+        "eager_single_stream": module,
+        "eager_multi_stream": torch_stage.multi_stream(module, num_streams=NUM_STREAMS),
+    }
+    if device == "cuda":
+        variants["cuda_graph_single_stream"] = torch_stage.CUDAGraphModule(module)
+        variants["cuda_graph_multi_stream"] = torch_stage.multi_stream(
+            module, num_streams=NUM_STREAMS, cuda_graphs=True
+        )
+    if inductor:
+        variants["compile_inductor"] = torch.compile(module)
+    variants["compile_torch_stage"] = torch.compile(
+        module, backend="torch_stage", options={"num_streams": NUM_STREAMS}
+    )
+    return variants
+
+
+def _matches(name, expected, got, device, random_ops):
+    exact = device == "cpu" and name in ("eager_multi_stream", "compile_torch_stage")
+    if exact:
+        return bool(torch.equal(expected, got))
+    if random_ops and name not in ("eager_multi_stream", "compile_torch_stage"):
+        # Inductor and graph replay draw random numbers differently.
+        return "not compared (random ops)"
+    return bool(torch.allclose(expected, got, rtol=1e-4, atol=1e-5))
+
+
+def bench_models(device, batch, iters, inductor):
     results = []
+    timer = _gpu_ms if device == "cuda" else _cpu_ms
     for entry in zoo.ZOO:
         module = zoo.build(entry, device).eval()
         inputs = entry.inputs(batch, device)
-        rewritten = torch_stage.multi_stream(module, num_streams=4)
+        row = {"model": entry.name, "batch": batch}
         with torch.no_grad():
+            variants = _variants(module, device, inductor)
             torch.manual_seed(0)
             expected = module(*inputs)
-            torch.manual_seed(0)
-            got = rewritten(*inputs)
-        plan = rewritten.stream_plan
-        row = {
-            "model": entry.name,
-            "results_match": bool(torch.equal(expected, got)),
-            "strategy": plan.strategy,
-            "streams_used": len(plan.streams_used),
-            "events": len(plan.events),
-            "waits": len(plan.waits),
-        }
-        if device == "cuda":
-            with torch.no_grad():
-                for fn in (module, rewritten):
-                    _gpu_ms(fn, inputs, 5)
-                eager = _gpu_ms(module, inputs, iters)
-                multi = _gpu_ms(rewritten, inputs, iters)
+            matches = {}
+            for name, fn in variants.items():
+                if name == "eager_single_stream":
+                    continue
+                torch.manual_seed(0)
+                matches[name] = _matches(name, expected, fn(*inputs), device, entry.random)
+            row["results_match_eager"] = matches
+            plan = variants["eager_multi_stream"].stream_plan
             row.update(
                 {
-                    "eager_single_stream_ms": round(eager, 4),
-                    "multi_stream_ms": round(multi, 4),
-                    "speedup": round(eager / multi, 3),
+                    "strategy": plan.strategy,
+                    "streams_used": len(plan.streams_used),
+                    "events": len(plan.events),
+                    "waits": len(plan.waits),
                 }
             )
+            for fn in variants.values():  # warm-up (and compile, capture)
+                timer(fn, inputs, 5)
+            times = {name: timer(fn, inputs, iters) for name, fn in variants.items()}
+        base = times["eager_single_stream"]
+        key = "gpu_ms" if device == "cuda" else "cpu_ms"
+        row[key] = {name: round(ms, 4) for name, ms in times.items()}
+        row["speedup_vs_eager_single_stream"] = {
+            name: round(base / ms, 3) for name, ms in times.items() if name != "eager_single_stream"
+        }
+        if device != "cuda":
+            row["skipped"] = {
+                "cuda_graph_single_stream": "no GPU",
+                "cuda_graph_multi_stream": "no GPU",
+            }
+        if not inductor:
+            row.setdefault("skipped", {})["compile_inductor"] = "--no-inductor"
         results.append(row)
     return results
 
@@ -164,8 +227,11 @@ def bench_pass(n):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=50, help="timed calls per model (GPU)")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per variant")
+    parser.add_argument("--batch", type=int, default=1, help="batch size (small: 1)")
+    parser.add_argument(
+        "--no-inductor", action="store_true", help="leave out torch.compile's default backend"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = {
@@ -174,12 +240,16 @@ def main() -> int:
         "device": torch.cuda.get_device_name()
         if device == "cuda"
         else platform.processor() or "cpu",
-        "num_streams": 4,
-        "models": bench_models(device, args.batch, args.iters),
+        "num_streams": NUM_STREAMS,
+        "models": bench_models(device, args.batch, args.iters, not args.no_inductor),
         "planning": [],
     }
     if device == "cpu":
-        report["note"] = "no GPU: stream ops are no-ops on CPU, so only result equality is reported"
+        report["note"] = (
+            "no GPU: stream ops are no-ops on CPU and CUDA graphs need a GPU, so cpu_ms "
+            "(wall clock) shows host overheads only (stream ops, Dynamo, inductor's CPU "
+            "code); multi-stream speedups can only be measured on a GPU"
+        )
     for n in SIZES:
         for strategy in STRATEGIES:
             ms, edges = bench_scheduler(n, strategy, 3 if n >= 10000 else 10)

@@ -9,9 +9,12 @@ from torch_stage import _library
 
 _C = _library.load()
 
+from torch_stage import compile_backend as _compile_backend  # noqa: E402
 from torch_stage import fx  # noqa: E402, F401  (torch_stage.fx and its op registrations)
 from torch_stage._build_info import build_info  # noqa: E402
 from torch_stage._library import library_path  # noqa: E402
+from torch_stage.compile_backend import Backend, backend  # noqa: E402
+from torch_stage.cuda_graphs import CUDAGraphModule  # noqa: E402
 from torch_stage.errors import (  # noqa: E402
     CorruptRecordError,
     ExampleParseError,
@@ -54,7 +57,12 @@ from torch_stage.streams import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+# backend="torch_stage" without an installed entry point (a source checkout).
+_compile_backend._register()
+
 __all__ = [
+    "Backend",
+    "CUDAGraphModule",
     "CorruptRecordError",
     "DataLoader",
     "ExampleParseError",
@@ -78,6 +86,7 @@ __all__ = [
     "StagingArea",
     "VarLenFeature",
     "add_stage_thread_pool",
+    "backend",
     "build_info",
     "colocate_with",
     "encode_example",

@@ -1,7 +1,10 @@
 // TorchScript registration of the stream ops the multi-stream pass emits
 // (torch.ops.torch_stage.fork / set_stream / record_event / wait_event /
 // record_stream / join) and of their run object,
-// torch.classes.torch_stage.StreamRun. Semantics: csrc/streams/stream_run.h.
+// torch.classes.torch_stage.StreamRun (semantics: csrc/streams/stream_run.h);
+// and of `with torch_stage.stream(i):` for scripted code: the op
+// torch.ops.torch_stage.stream and its context manager class
+// torch.classes.torch_stage.StreamScope (csrc/streams/stream_scope.h).
 //
 // Every op is registered with AliasAnalysisKind::CONSERVATIVE: the ops
 // return nothing (or a fresh object) and read no tensor data, so with
@@ -15,14 +18,17 @@
 
 #include "streams/stream_pool.h"
 #include "streams/stream_run.h"
+#include "streams/stream_scope.h"
 
 namespace torch_stage {
 namespace {
 
 using Run = c10::intrusive_ptr<StreamRun>;
+using Scope = c10::intrusive_ptr<StreamScope>;
 
 constexpr auto kEffectful = c10::AliasAnalysisKind::CONSERVATIVE;
 #define TORCH_STAGE_RUN "__torch__.torch.classes.torch_stage.StreamRun"
+#define TORCH_STAGE_SCOPE "__torch__.torch.classes.torch_stage.StreamScope"
 
 } // namespace
 
@@ -87,6 +93,36 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
   m.def("stream_pool_size(Device device) -> int", [](c10::Device device) {
     return StreamPool::size(device);
   });
+
+  // TorchScript's `with` accepts an object whose class has __enter__(self)
+  // and __exit__(self, Any, Any, Any) (ir_emitter's emitWith); custom
+  // classes qualify. __enter__ returns the scope for `with ... as s`.
+  m.class_<StreamScope>("StreamScope")
+      .def(
+          "__enter__",
+          [](const Scope& self) {
+            self->enter();
+            return self;
+          })
+      .def(
+          "__exit__",
+          [](const Scope& self, c10::IValue, c10::IValue, c10::IValue) {
+            self->exit();
+          })
+      .def("index", &StreamScope::index)
+      .def("is_active", &StreamScope::is_active)
+      .def("is_entered", &StreamScope::is_entered)
+      .def("device", &StreamScope::device)
+      .def("stream_id", &StreamScope::stream_id)
+      .def("enclosing_stream_id", &StreamScope::enclosing_stream_id);
+  // Conservative like the other stream ops: a scope must never be CSE'd
+  // into another scope or hoisted, even though the op reads no tensor.
+  m.def(
+      torch::schema("stream(int index) -> " TORCH_STAGE_SCOPE, kEffectful),
+      [](int64_t index) -> Scope {
+        return c10::make_intrusive<StreamScope>(
+            index, StreamScope::default_device());
+      });
 }
 
 } // namespace torch_stage

@@ -10,6 +10,11 @@ import torch
 
 import torch_stage  # noqa: F401  (loads torch.classes.torch_stage)
 
+# The C++ example's model (examples/cpp/export_model.py), so that the tests
+# serve exactly what the example serves.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cpp"))
+import export_model  # noqa: E402
+
 
 class StagedConsumer(torch.nn.Module):
     """Takes (x, bias) bundles from its staging area and computes x @ w + bias."""
@@ -28,32 +33,16 @@ class StagedConsumer(torch.nn.Module):
         self.area.put([x, bias])
 
 
-class Towers(torch.nn.Module):
-    """Two annotated towers joined by a sum: multi_stream puts them on two
-    streams."""
-
-    def __init__(self):
-        super().__init__()
-        self.x = torch.nn.Linear(8, 8)
-        self.y = torch.nn.Linear(8, 8)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        with torch_stage.stream(0):
-            pa = torch.relu(self.x(a))
-        with torch_stage.stream(1):
-            pb = torch.tanh(self.y(b))
-        return pa * pb
-
-
 def main(out_dir: str) -> int:
     os.makedirs(out_dir, exist_ok=True)
     modules = {"staged_consumer.pt": torch.jit.script(StagedConsumer(capacity=3))}
-    torch.manual_seed(0)
-    towers = Towers().eval()
-    # The same model scripted with and without the stream ops.
+    towers = export_model.build()
+    # The same model scripted with the multi-stream pass's ops, with its
+    # `with torch_stage.stream(i):` blocks as StreamScopes, and plain.
     modules["towers_multi_stream.pt"] = torch.jit.script(
         torch_stage.multi_stream(towers, num_streams=2)
     )
+    modules["towers_scoped.pt"] = torch.jit.script(towers)
     modules["towers_plain.pt"] = torch.jit.script(torch_stage.fx.trace(towers, num_streams=2))
     for name, scripted in modules.items():
         path = os.path.join(out_dir, name)

@@ -1,15 +1,20 @@
 // Modules scripted in Python (tests/cpp/make_fixtures.py), loaded and run
 // here with LibTorch and libtorch_stage only: one holds a StagingArea
 // attribute fed by a C++ producer thread, one was rewritten by
-// torch_stage.multi_stream.
+// torch_stage.multi_stream (and is served by the C++ example's loop,
+// examples/cpp/serving.h), one uses `with torch_stage.stream(i):` scopes.
 #include "staging/staging_area.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <thread>
+
+#include "serving.h"
 
 namespace torch_stage {
 namespace {
@@ -92,6 +97,91 @@ TEST(ScriptModule, RunsAMultiStreamModelLoadedFromPython) {
     const at::Tensor b = at::randn({4, 8});
     const at::Tensor expected = plain.forward({a, b}).toTensor();
     EXPECT_TRUE(at::equal(multi.forward({a, b}).toTensor(), expected));
+  }
+}
+
+int count_ops(torch::jit::Module& module, const std::string& kind) {
+  int count = 0;
+  for (const auto* node : module.get_method("forward").graph()->nodes()) {
+    count += node->kind().toQualString() == kind ? 1 : 0;
+  }
+  return count;
+}
+
+torch_stage_example::Batch example_batch(int64_t i) {
+  const auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + i);
+  return {at::randn({4, 8}, gen), at::randn({4, 8}, gen)};
+}
+
+// What examples/cpp/serve_model.cpp does, checked against the plain model:
+// a producer thread stages batches, the multi-stream model serves them in
+// order.
+TEST(ScriptModule, ServesTheExampleModelFromAProducerThread) {
+  torch::jit::Module multi =
+      torch::jit::load(fixture("towers_multi_stream.pt"));
+  torch::jit::Module plain = torch::jit::load(fixture("towers_plain.pt"));
+  multi.eval();
+  constexpr int64_t kBatches = 40;
+  int64_t checked = 0;
+  const int64_t served = torch_stage_example::serve(
+      multi,
+      kBatches,
+      /*capacity=*/3,
+      example_batch,
+      [&](int64_t i,
+          const torch_stage_example::Batch& batch,
+          const at::Tensor& out) {
+        EXPECT_EQ(i, checked);
+        EXPECT_TRUE(at::equal(batch[0], example_batch(i)[0])) << "batch " << i;
+        const at::Tensor expected =
+            plain.forward({batch[0], batch[1]}).toTensor();
+        EXPECT_TRUE(at::equal(out, expected)) << "batch " << i;
+        ++checked;
+      });
+  EXPECT_EQ(served, kBatches);
+  EXPECT_EQ(checked, kBatches);
+}
+
+TEST(ScriptModule, ServingRethrowsAProducerError) {
+  torch::jit::Module multi =
+      torch::jit::load(fixture("towers_multi_stream.pt"));
+  int64_t outputs = 0;
+  try {
+    torch_stage_example::serve(
+        multi,
+        10,
+        2,
+        [](int64_t i) -> torch_stage_example::Batch {
+          if (i == 5) {
+            throw std::runtime_error("no batch 5");
+          }
+          return example_batch(i);
+        },
+        [&](int64_t, const torch_stage_example::Batch&, const at::Tensor&) {
+          ++outputs;
+        });
+    FAIL() << "serve returned although the producer failed";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "no batch 5");
+  }
+  // Batches staged before the failure may have been served; never more.
+  EXPECT_LE(outputs, 5);
+}
+
+// `with torch_stage.stream(i):` scripted as written: the StreamScope ops
+// resolve in LibTorch and results equal the plain model's.
+TEST(ScriptModule, RunsScriptedStreamScopes) {
+  torch::jit::Module scoped = torch::jit::load(fixture("towers_scoped.pt"));
+  torch::jit::Module plain = torch::jit::load(fixture("towers_plain.pt"));
+  EXPECT_EQ(count_ops(scoped, "torch_stage::stream"), 2);
+  EXPECT_EQ(count_ops(scoped, "prim::Enter"), 2);
+  EXPECT_EQ(count_ops(scoped, "prim::Exit"), 2);
+  torch::NoGradGuard no_grad;
+  for (int64_t i = 0; i < 5; ++i) {
+    const auto batch = example_batch(i);
+    EXPECT_TRUE(at::equal(
+        scoped.forward({batch[0], batch[1]}).toTensor(),
+        plain.forward({batch[0], batch[1]}).toTensor()));
   }
 }
 

@@ -19,6 +19,7 @@ from torch.fx.node import has_side_effect
 
 __all__ = [
     "STREAM_OPS",
+    "colocate_marker",
     "fork",
     "join",
     "record_event",
@@ -40,3 +41,18 @@ STREAM_OPS = (fork, set_stream, record_event, wait_event, record_stream, join)
 for _op in STREAM_OPS:
     has_side_effect(_op)
     has_side_effect(_op.default)
+
+
+# A marker for torch.compile graphs only: torch_stage.colocate_with(x) under
+# Dynamo calls it with x, so the "torch_stage" backend learns which node
+# produced x (node annotations hold constants, not tensors). The backend
+# removes the node; under other backends it is a no-op that AOTAutograd
+# drops (no result, mutates nothing). Not registered for TorchScript.
+@torch.library.custom_op("torch_stage::colocate_marker", mutates_args=())
+def colocate_marker(x: torch.Tensor, scope: int) -> None:
+    return None
+
+
+@colocate_marker.register_fake
+def _colocate_marker_fake(x: torch.Tensor, scope: int) -> None:
+    return None

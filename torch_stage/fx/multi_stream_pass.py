@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
+from torch_stage._checks import check_int
+from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.annotate import AnnotatingTracer
@@ -53,6 +55,9 @@ class MultiStreamPass:
         verify: replay the plan with the C++ verifier while planning and
             raise if it is unsound. Default: on when the environment variable
             ``TORCH_STAGE_VERIFY=1`` (debug mode).
+        cuda_graphs: return a :class:`torch_stage.CUDAGraphModule` that
+            replays the rewritten module from CUDA graphs (needs a GPU).
+        warmup: eager runs before each CUDA graph capture (``>= 1``).
     """
 
     def __init__(
@@ -62,9 +67,15 @@ class MultiStreamPass:
         example_inputs: Optional[Sequence[Any]] = None,
         cost_model: Optional[Callable[[torch.fx.Node], float]] = None,
         verify: Optional[bool] = None,
+        cuda_graphs: bool = False,
+        warmup: int = 3,
     ):
         self.num_streams = _check_num_streams(num_streams)
         self.strategy = _check_strategy(strategy)
+        # Checked first among the rest: without a GPU it is the one error
+        # that no other argument can fix.
+        self.cuda_graphs = check_cuda_graphs(cuda_graphs)
+        self.warmup = check_int("warmup", warmup, 1, ">= 1")
         if cost_model is not None and not callable(cost_model):
             raise TypeError(
                 "cost_model must be callable as cost_model(node) -> float, "
@@ -85,7 +96,7 @@ class MultiStreamPass:
             verify = os.environ.get(VERIFY_ENV, "0") == "1"
         self.verify = bool(verify)
 
-    def __call__(self, module: torch.nn.Module) -> torch.fx.GraphModule:
+    def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, torch.fx.GraphModule):
             return self.call(module)
         if not isinstance(module, torch.nn.Module):
@@ -125,8 +136,16 @@ class MultiStreamPass:
             f"{type(exc).__name__}: {exc}. {hint}"
         )
 
-    def call(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """Plan ``graph_module`` and return the rewritten copy."""
+    def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
+        """Plan ``graph_module`` and return the rewritten copy (wrapped in a
+        :class:`torch_stage.CUDAGraphModule` when ``cuda_graphs`` is set)."""
+        result = self.rewrite(graph_module)
+        if self.cuda_graphs:
+            return CUDAGraphModule(result, warmup=self.warmup)
+        return result
+
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        """Plan ``graph_module`` and return the rewritten ``GraphModule``."""
         graph = copy.deepcopy(graph_module.graph)
         analysis = GraphAnalysis(
             graph_module, self.example_inputs, self.cost_model, self.num_streams, graph=graph

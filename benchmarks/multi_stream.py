@@ -110,8 +110,9 @@ def bench_models(device, batch, iters, inductor):
     timer = _gpu_ms if device == "cuda" else _cpu_ms
     for entry in zoo.ZOO:
         module = zoo.build(entry, device).eval()
-        inputs = entry.inputs(batch, device)
-        row = {"model": entry.name, "batch": batch}
+        row_batch = max(batch, entry.min_batch)
+        inputs = entry.inputs(row_batch, device)
+        row = {"model": entry.name, "batch": row_batch}
         with torch.no_grad():
             variants = _variants(module, device, inductor)
             torch.manual_seed(0)

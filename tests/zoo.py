@@ -158,6 +158,8 @@ class Entry:
     build: Callable[[], nn.Module]
     inputs: Callable[[int, str], Tuple[torch.Tensor, ...]]
     random: bool = False
+    # The smallest batch the model accepts (in_place writes rows 0 and 1).
+    min_batch: int = 1
 
 
 def _two_tower_inputs(batch: int, device: str):
@@ -195,7 +197,7 @@ ZOO = [
     Entry("rec_8_towers", RecModel, _rec_inputs),
     Entry("residual_mlp", ResidualMLP, _vector_inputs(64)),
     Entry("plain_chain", plain_chain, _vector_inputs(64)),
-    Entry("in_place", InPlaceModel, _vector_inputs(32)),
+    Entry("in_place", InPlaceModel, _vector_inputs(32), min_batch=2),
     Entry("random_branches", RandomBranches, _vector_inputs(32), random=True),
 ]
 

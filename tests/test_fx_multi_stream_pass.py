@@ -15,7 +15,7 @@ def stream_calls(gm):
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _ops.STREAM_OPS:
-            name = str(n.target).split(".")[-1]
+            name = getattr(n.target, "__name__", str(n.target)).split(".")[-1]
             args = [a if not isinstance(a, torch.fx.Node) else a.name for a in n.args[1:]]
             if name == "fork":
                 args = [n.args[0], n.args[1], n.args[2]]

@@ -56,7 +56,8 @@ def test_fork_rejects_bad_arguments(args, message):
 def test_stream_ops_survive_fx_dead_code_elimination():
     for op in _ops.STREAM_OPS:
         assert op in torch.fx.node._side_effectful_functions
-        assert op.default in torch.fx.node._side_effectful_functions
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            assert op.default in torch.fx.node._side_effectful_functions
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     run = graph.call_function(_ops.fork, (2, [1], 1, (x,)))
@@ -69,6 +70,54 @@ def test_stream_ops_survive_fx_dead_code_elimination():
     before = len(graph.nodes)
     assert not graph.eliminate_dead_code()
     assert len(graph.nodes) == before
+
+
+def test_the_direct_path_and_the_ops_behave_alike():
+    # Eagerly the pass's functions skip torch.ops (see _ops.py); both paths
+    # must accept and refuse the same calls.
+    x = torch.randn(3)
+    for direct in (True, False):
+        run = _ops.fork(3, [1, 2], 2, (x,))
+        assert _ops._direct(run)
+        call = {f.__name__: f for f in _ops._FUNCTIONS}
+        if not direct:
+            call = {name: getattr(torch.ops.torch_stage, name) for name in call}
+        call["set_stream"](run, 1)
+        call["record_event"](run, 0, 1)
+        call["record_stream"](run, (x, None, [x, x]), 2)
+        call["set_stream"](run, 2)
+        call["wait_event"](run, 0, 2)
+        with pytest.raises(RuntimeError, match="waits on event 1, which has not been recorded"):
+            call["wait_event"](run, 1, 0)
+        with pytest.raises(ValueError, match="stream 7 is outside the pool of 3"):
+            call["set_stream"](run, 7)
+        call["join"](run, [1, 2])
+    with pytest.raises(TypeError, match="StreamRun"):
+        _ops.set_stream(torch.classes.torch_stage.StagingArea(1), 0)
+
+
+def test_fx_retracing_a_rewritten_module_records_the_ops():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) * self.b(x)
+
+    rewritten = torch_stage.multi_stream(Two(), num_streams=2)
+    ours = [n.target.__name__ for n in rewritten.graph.nodes if n.target in _ops._FUNCTIONS]
+    assert "set_stream" in ours and "join" in ours
+    retraced = torch.fx.symbolic_trace(rewritten)
+    ops = [
+        n.target
+        for n in retraced.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverloadPacket) and n.target in _ops.STREAM_OPS
+    ]
+    assert [op.__name__ for op in ops[1:]] == ours
+    x = torch.randn(2, 4)
+    assert torch.equal(retraced(x), rewritten(x))
 
 
 def _scripted_ops(x: torch.Tensor) -> torch.Tensor:

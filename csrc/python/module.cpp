@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   torch_stage::python::init_staging(m);
   torch_stage::python::init_stage(m);
   torch_stage::python::init_records(m);
+  torch_stage::python::init_streams(m);
 }

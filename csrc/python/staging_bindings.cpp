@@ -8,7 +8,6 @@
 // cannot deadlock), and releases the GIL only when it has to wait. Waits run
 // in slices so that a main thread blocked here still sees KeyboardInterrupt.
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/jit/python/module_python.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
@@ -113,21 +112,8 @@ BufferStatus wait_for(int64_t timeout_ms, Attempt attempt) {
 }
 
 Area from_script_object(py::handle obj) {
-  auto object = torch::jit::as_object(obj);
-  if (!object.has_value()) {
-    throw py::type_error(c10::str(
-        "expected a torch.classes.torch_stage.StagingArea, got ",
-        Py_TYPE(obj.ptr())->tp_name));
-  }
-  c10::IValue value(object->_ivalue());
-  const auto expected =
-      c10::getCustomClassType<c10::intrusive_ptr<StagingArea>>();
-  if (value.type() != expected) {
-    throw py::type_error(c10::str(
-        "expected a torch.classes.torch_stage.StagingArea, got a ",
-        value.type()->repr_str()));
-  }
-  return value.toCustomClass<StagingArea>();
+  return custom_class_from<StagingArea>(
+      obj, "torch.classes.torch_stage.StagingArea");
 }
 
 // put/try_put: returns False only when the timeout passed.

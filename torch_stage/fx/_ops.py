@@ -9,13 +9,19 @@ that registers an effect token for AOTAutograd and functionalisation, which
 would change how these ops trace under ``torch.compile``. Both the overload
 packet (the target the pass uses, which prints and scripts as
 ``torch.ops.torch_stage.<op>``) and its default overload are registered.
-TorchScript is covered in C++ (AliasAnalysisKind::CONSERVATIVE).
+TorchScript is covered in C++ (AliasAnalysisKind::CONSERVATIVE). The ops that
+take the run are emitted as the Python functions below (see there why).
 """
 
 from __future__ import annotations
 
+from typing import Any, List
+
 import torch
 from torch.fx.node import has_side_effect
+from torch.jit import _builtins
+
+from torch_stage import _C
 
 __all__ = [
     "STREAM_OPS",
@@ -30,17 +36,76 @@ __all__ = [
 
 _ns = torch.ops.torch_stage
 fork = _ns.fork
-set_stream = _ns.set_stream
-record_event = _ns.record_event
-wait_event = _ns.wait_event
-record_stream = _ns.record_stream
-join = _ns.join
 
-STREAM_OPS = (fork, set_stream, record_event, wait_event, record_stream, join)
+
+# The ops that take the run (a torch.ScriptObject) are called through these
+# functions, which the pass uses as node targets. Eagerly they call
+# torch_stage._C directly: torch.ops looks up __torch_function__ on every
+# argument, and on a ScriptObject that lookup raises and catches a C++
+# exception inside ScriptObject.__getattr__, ~20 us per call against ~1 us
+# here (csrc/python/stream_bindings.cpp). While Dynamo, torch.jit.trace or
+# an FX tracer runs the code, or for tensor subclasses, they call the op, so
+# those see and record torch.ops.torch_stage.*. TorchScript compiles each
+# function as its op (registered as a builtin below), so scripted modules
+# hold the ops themselves.
+def _direct(run: Any) -> bool:
+    return (
+        type(run) is torch.ScriptObject
+        and not torch.compiler.is_compiling()
+        and torch._C._get_tracing_state() is None
+    )
+
+
+def set_stream(run: Any, stream: int) -> None:
+    """Make pool stream ``stream`` current (``torch.ops.torch_stage.set_stream``)."""
+    if _direct(run):
+        return _C._stream_set_stream(run, stream)
+    return _ns.set_stream(run, stream)
+
+
+def record_event(run: Any, event: int, stream: int) -> None:
+    """Pool stream ``stream`` records ``event`` (``torch.ops.torch_stage.record_event``)."""
+    if _direct(run):
+        return _C._stream_record_event(run, event, stream)
+    return _ns.record_event(run, event, stream)
+
+
+def wait_event(run: Any, event: int, stream: int) -> None:
+    """Pool stream ``stream`` waits on ``event`` (``torch.ops.torch_stage.wait_event``)."""
+    if _direct(run):
+        return _C._stream_wait_event(run, event, stream)
+    return _ns.wait_event(run, event, stream)
+
+
+def record_stream(run: Any, value: Any, stream: int) -> None:
+    """Mark the tensors in ``value`` used on pool stream ``stream``
+    (``torch.ops.torch_stage.record_stream``)."""
+    if _direct(run) and not (
+        isinstance(value, torch.Tensor) and torch._C._has_torch_function_unary(value)
+    ):
+        return _C._stream_record_stream(run, value, stream)
+    return _ns.record_stream(run, value, stream)
+
+
+def join(run: Any, side_streams: List[int]) -> None:
+    """Join the side streams into stream 0 (``torch.ops.torch_stage.join``)."""
+    if _direct(run):
+        return _C._stream_join(run, side_streams)
+    return _ns.join(run, side_streams)
+
+
+_FUNCTIONS = (set_stream, record_event, wait_event, record_stream, join)
+
+#: Every target a stream op node may have: the pass's functions, and the ops
+#: (which graphs traced from a rewritten module hold).
+STREAM_OPS = (fork,) + _FUNCTIONS + tuple(getattr(_ns, f.__name__) for f in _FUNCTIONS)
 
 for _op in STREAM_OPS:
     has_side_effect(_op)
-    has_side_effect(_op.default)
+    if isinstance(_op, torch._ops.OpOverloadPacket):
+        has_side_effect(_op.default)
+for _f in _FUNCTIONS:
+    _builtins._register_builtin(_f, f"torch_stage::{_f.__name__}")
 
 
 # A marker for torch.compile graphs only: torch_stage.colocate_with(x) under

@@ -1,0 +1,90 @@
+// The stream ops of multi-stream GraphModules, called from Python without
+// torch.ops.
+//
+// Why: an operator call from Python looks up __torch_function__ on every
+// argument; on a torch.ScriptObject (the StreamRun every stream op takes)
+// that lookup goes through ScriptObject.__getattr__, which throws and
+// catches a C++ exception: ~20 us per call on the project's CPU machine,
+// against ~5 us for an aten op, and a rewritten module calls a few stream
+// ops per node. These functions unwrap the run directly and call the same
+// StreamRun methods the registered ops call (csrc/ops/stream_ops.cpp), with
+// a RECORD_FUNCTION under the op's name so profiles look the same. Which
+// path runs is chosen in torch_stage/fx/_ops.py; TorchScript always calls
+// the registered ops.
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <vector>
+
+#include "python/bindings.h"
+#include "streams/stream_run.h"
+
+namespace py = pybind11;
+
+namespace torch_stage::python {
+namespace {
+
+using Run = c10::intrusive_ptr<StreamRun>;
+
+Run run_from(py::handle obj) {
+  return custom_class_from<StreamRun>(
+      obj, "torch.classes.torch_stage.StreamRun");
+}
+
+} // namespace
+
+void init_streams(py::module_& m) {
+  m.def(
+      "_stream_set_stream",
+      [](py::handle run, int64_t stream) {
+        RECORD_FUNCTION("torch_stage::set_stream", std::vector<c10::IValue>());
+        run_from(run)->set_stream(stream);
+      },
+      py::arg("run"),
+      py::arg("stream"));
+  m.def(
+      "_stream_record_event",
+      [](py::handle run, int64_t event, int64_t stream) {
+        RECORD_FUNCTION(
+            "torch_stage::record_event", std::vector<c10::IValue>());
+        run_from(run)->record_event(event, stream);
+      },
+      py::arg("run"),
+      py::arg("event"),
+      py::arg("stream"));
+  m.def(
+      "_stream_wait_event",
+      [](py::handle run, int64_t event, int64_t stream) {
+        RECORD_FUNCTION("torch_stage::wait_event", std::vector<c10::IValue>());
+        run_from(run)->wait_event(event, stream);
+      },
+      py::arg("run"),
+      py::arg("event"),
+      py::arg("stream"));
+  m.def(
+      "_stream_record_stream",
+      [](py::handle run, py::handle value, int64_t stream) {
+        RECORD_FUNCTION(
+            "torch_stage::record_stream", std::vector<c10::IValue>());
+        // The op's `Any` argument: tensors, lists, tuples, dicts, None.
+        const c10::IValue ivalue = THPVariable_Check(value.ptr())
+            ? c10::IValue(THPVariable_Unpack(value.ptr()))
+            : torch::jit::toIValue(value, c10::AnyType::get());
+        run_from(run)->record_stream(ivalue, stream);
+      },
+      py::arg("run"),
+      py::arg("value"),
+      py::arg("stream"));
+  m.def(
+      "_stream_join",
+      [](py::handle run, const std::vector<int64_t>& side_streams) {
+        RECORD_FUNCTION("torch_stage::join", std::vector<c10::IValue>());
+        run_from(run)->join(side_streams);
+      },
+      py::arg("run"),
+      py::arg("side_streams"));
+}
+
+} // namespace torch_stage::python

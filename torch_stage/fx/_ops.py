@@ -6,11 +6,11 @@ impure. ``torch.fx.node.has_side_effect`` is the mechanism every supported
 torch (2.5 and newer) consults for ``call_function`` targets; newer releases
 point operators to ``torch.library._register_effectful_op`` instead, but
 that registers an effect token for AOTAutograd and functionalisation, which
-would change how these ops trace under ``torch.compile``. Both the overload
-packet (the target the pass uses, which prints and scripts as
-``torch.ops.torch_stage.<op>``) and its default overload are registered.
-TorchScript is covered in C++ (AliasAnalysisKind::CONSERVATIVE). The ops that
-take the run are emitted as the Python functions below (see there why).
+would change how these ops trace under ``torch.compile``. Every target a
+stream op node may have is registered: ``fork``'s overload packet and its
+default overload, the functions below through which the pass calls the ops
+that take the run (see there why), and those ops' packets and overloads.
+TorchScript is covered in C++ (AliasAnalysisKind::CONSERVATIVE).
 """
 
 from __future__ import annotations

@@ -503,6 +503,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
       last = --live == 0;
     }
     if (last) {
+      // Before the end is visible: a consumer that saw the end of the
+      // stream reads stats() with `finished` set.
+      finished.store(true);
       // The last producer out ends the stream: what is buffered drains,
       // then consumers see the end (as DeepRec's last runner closes). Not
       // when close() stopped it: consumers must see "closed", which the
@@ -510,7 +513,6 @@ struct Stage::State : std::enable_shared_from_this<State> {
       if (!stop.load()) {
         buffer.close();
       }
-      finished.store(true);
     }
     exit_cv.notify_all();
   }

@@ -33,8 +33,6 @@ using records::RecordError;
 using records::RecordErrorKind;
 using Clock = std::chrono::steady_clock;
 
-constexpr auto kWaitSlice = std::chrono::milliseconds(100);
-
 const char* python_class(RecordErrorKind kind) {
   switch (kind) {
     case RecordErrorKind::kNotFound:
@@ -90,35 +88,6 @@ py::tuple batch_to_tensors(RecordBatch&& batch) {
   at::Tensor offsets = at::from_blob(
       holder->offsets.data(), {n}, keep, at::TensorOptions().dtype(at::kLong));
   return py::make_tuple(data, offsets);
-}
-
-// GIL-aware wait, as in staging_bindings.cpp: try once holding the GIL,
-// then wait in slices with it released, checking for signals (Ctrl-C)
-// between slices. timeout_ms < 0 waits without bound.
-template <typename Attempt>
-BufferStatus wait_for(int64_t timeout_ms, Attempt attempt) {
-  BufferStatus status = attempt(Clock::now());
-  if (status != BufferStatus::kTimeout || timeout_ms == 0) {
-    return status;
-  }
-  const bool forever = timeout_ms < 0;
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(forever ? 0 : timeout_ms);
-  while (true) {
-    const auto slice_end = Clock::now() + kWaitSlice;
-    const auto until = forever ? slice_end : std::min(slice_end, deadline);
-    {
-      py::gil_scoped_release no_gil;
-      status = attempt(until);
-    }
-    if (status != BufferStatus::kTimeout ||
-        (!forever && Clock::now() >= deadline)) {
-      return status;
-    }
-    if (PyErr_CheckSignals() != 0) {
-      throw py::error_already_set();
-    }
-  }
 }
 
 Compression compression_of(const py::object& c) {
@@ -362,9 +331,10 @@ Input make_input(
 // StopIteration at the end of data or after close().
 py::object take(const Input& input, int64_t timeout_ms) {
   RecordBatch batch;
-  const BufferStatus status = wait_for(timeout_ms, [&](Clock::time_point t) {
-    return input->try_take_until(&batch, t);
-  });
+  const BufferStatus status = wait_releasing_gil(
+      timeout_ms, BufferStatus::kTimeout, [&](Clock::time_point t) {
+        return input->try_take_until(&batch, t);
+      });
   switch (status) {
     case BufferStatus::kOk:
       return batch_to_tensors(std::move(batch));

@@ -295,30 +295,21 @@ class PyStage {
         timeout_ms >= 0 ? timeout_ms : stage_->options().timeout_ms);
     StageItem out;
     const auto start = Clock::now();
-    // First without waiting (and without giving up the GIL), then in slices
-    // with the GIL released, checking for signals between slices.
-    TakeStatus status = stage_->take_for(out, std::chrono::milliseconds(0));
-    while (status == TakeStatus::kTimeout) {
-      const auto waited = Clock::now() - start;
-      if (waited >= timeout) {
-        raise(
-            "StageTimeoutError",
-            stage_->timeout_message(
-                std::chrono::duration_cast<std::chrono::milliseconds>(waited)));
-      }
-      const auto slice = std::min<Clock::duration>(
-          std::chrono::milliseconds(100), timeout - waited);
-      {
-        py::gil_scoped_release no_gil;
-        status = stage_->take_for(
-            out,
-            std::max(
-                std::chrono::milliseconds(1),
-                std::chrono::duration_cast<std::chrono::milliseconds>(slice)));
-      }
-      if (status == TakeStatus::kTimeout && PyErr_CheckSignals() != 0) {
-        throw py::error_already_set();
-      }
+    const TakeStatus status = wait_releasing_gil(
+        timeout.count(), TakeStatus::kTimeout, [&](Clock::time_point until) {
+          // Rounded up, so a slice never becomes a zero-length busy retry;
+          // the first attempt (until = now) does not wait.
+          const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+              until - Clock::now());
+          return stage_->take_for(
+              out, std::max(left, std::chrono::milliseconds(0)));
+        });
+    if (status == TakeStatus::kTimeout) {
+      raise(
+          "StageTimeoutError",
+          stage_->timeout_message(
+              std::chrono::duration_cast<std::chrono::milliseconds>(
+                  Clock::now() - start)));
     }
     switch (status) {
       case TakeStatus::kItem:

@@ -24,8 +24,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Area = c10::intrusive_ptr<StagingArea>;
 
-constexpr auto kWaitSlice = std::chrono::milliseconds(100);
-
 [[noreturn]] void raise(const char* type, const std::string& message) {
   // torch_stage.errors defines the Python classes; look them up at raise
   // time (a rare event) rather than caching objects past interpreter exit.
@@ -82,35 +80,6 @@ TensorBundle to_bundle(py::handle tensors, const char* op) {
   return bundle;
 }
 
-// Runs `attempt(deadline)` first without waiting under the GIL, then (if it
-// timed out and the caller allows waiting) in slices with the GIL released,
-// checking for signals between slices. timeout_ms < 0 waits without bound.
-template <typename Attempt>
-BufferStatus wait_for(int64_t timeout_ms, Attempt attempt) {
-  BufferStatus status = attempt(Clock::now());
-  if (status != BufferStatus::kTimeout || timeout_ms == 0) {
-    return status;
-  }
-  const bool forever = timeout_ms < 0;
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(forever ? 0 : timeout_ms);
-  while (true) {
-    const auto slice_end = Clock::now() + kWaitSlice;
-    const auto until = forever ? slice_end : std::min(slice_end, deadline);
-    {
-      py::gil_scoped_release no_gil;
-      status = attempt(until);
-    }
-    if (status != BufferStatus::kTimeout ||
-        (!forever && Clock::now() >= deadline)) {
-      return status;
-    }
-    if (PyErr_CheckSignals() != 0) {
-      throw py::error_already_set();
-    }
-  }
-}
-
 Area from_script_object(py::handle obj) {
   return custom_class_from<StagingArea>(
       obj, "torch.classes.torch_stage.StagingArea");
@@ -119,9 +88,10 @@ Area from_script_object(py::handle obj) {
 // put/try_put: returns False only when the timeout passed.
 bool put(const Area& area, py::handle tensors, int64_t timeout_ms) {
   TensorBundle bundle = to_bundle(tensors, timeout_ms < 0 ? "put" : "try_put");
-  const BufferStatus status = wait_for(timeout_ms, [&](Clock::time_point t) {
-    return area->buffer().try_put_until(bundle, t);
-  });
+  const BufferStatus status = wait_releasing_gil(
+      timeout_ms, BufferStatus::kTimeout, [&](Clock::time_point t) {
+        return area->buffer().try_put_until(bundle, t);
+      });
   if (status == BufferStatus::kTimeout) {
     return false;
   }
@@ -134,9 +104,10 @@ bool put(const Area& area, py::handle tensors, int64_t timeout_ms) {
 // take/try_take: returns None only when the timeout passed.
 py::object take(const Area& area, int64_t timeout_ms) {
   TensorBundle out;
-  const BufferStatus status = wait_for(timeout_ms, [&](Clock::time_point t) {
-    return area->buffer().try_take_until(out, t);
-  });
+  const BufferStatus status = wait_releasing_gil(
+      timeout_ms, BufferStatus::kTimeout, [&](Clock::time_point t) {
+        return area->buffer().try_take_until(out, t);
+      });
   if (status == BufferStatus::kTimeout) {
     return py::none();
   }

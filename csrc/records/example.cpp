@@ -433,13 +433,7 @@ void ExampleEncoder::add_float(
       packed.push_back(static_cast<char>(bits >> (8 * i)));
     }
   }
-  std::string list;
-  if (!values.empty()) { // protobuf writes no field for an empty packed list
-    put_len(&list, 1, packed);
-  }
-  std::string feature;
-  put_len(&feature, 2, list);
-  add_entry(key, feature);
+  add_packed(key, 2, packed);
 }
 
 void ExampleEncoder::add_int64(
@@ -449,12 +443,21 @@ void ExampleEncoder::add_int64(
   for (int64_t v : values) {
     put_varint(&packed, static_cast<uint64_t>(v));
   }
+  add_packed(key, 3, packed);
+}
+
+void ExampleEncoder::add_packed(
+    const std::string& key,
+    uint32_t list_field,
+    const std::string& packed) {
   std::string list;
-  if (!values.empty()) {
+  // Every value takes at least one byte, so no bytes means no values, and
+  // protobuf writes no field for an empty packed list.
+  if (!packed.empty()) {
     put_len(&list, 1, packed);
   }
   std::string feature;
-  put_len(&feature, 3, list);
+  put_len(&feature, list_field, list);
   add_entry(key, feature);
 }
 

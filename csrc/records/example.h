@@ -99,6 +99,11 @@ class ExampleEncoder {
 
  private:
   void add_entry(const std::string& key, const std::string& feature);
+  // A Feature holding one packed numeric list (field 2: floats, 3: int64s).
+  void add_packed(
+      const std::string& key,
+      uint32_t list_field,
+      const std::string& packed);
   std::string features_; // serialized map entries
 };
 

@@ -46,7 +46,7 @@ import torch
 import torch.fx
 
 from torch_stage import streams as _streams
-from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
+from torch_stage.cuda_graphs import CUDAGraphModule
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.multi_stream_pass import MultiStreamPass
 from torch_stage.fx.partition import StreamPlan
@@ -111,7 +111,7 @@ class Backend:
             strategy=strategy,
             cost_model=cost_model,
             verify=verify,
-            cuda_graphs=check_cuda_graphs(cuda_graphs),
+            cuda_graphs=cuda_graphs,
             warmup=warmup,
         )
         self.plans: List[StreamPlan] = []

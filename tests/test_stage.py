@@ -62,21 +62,26 @@ def test_threads_run_the_transform_in_parallel():
     assert peak[0] > 1
 
 
-def test_exactly_once_delivery_to_three_clients():
-    n = 3000
-    stage = staged(range(n), num_clients=3, capacity=4, num_threads=2)
-    got = [[] for _ in range(3)]
+def _consume_in_threads(stage, num_threads):
+    """What each of num_threads threads iterating stage got, in order."""
+    got = [[] for _ in range(num_threads)]
 
     def consume(k):
         for x in stage:
             got[k].append(x)
 
-    threads = [threading.Thread(target=consume, args=(k,)) for k in range(3)]
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(num_threads)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(HANG_BOUND_S)
         assert not t.is_alive()
+    return got
+
+
+def test_exactly_once_delivery_to_three_clients():
+    n = 3000
+    got = _consume_in_threads(staged(range(n), num_clients=3, capacity=4, num_threads=2), 3)
     # Every client saw the end; together they saw every item exactly once.
     assert sorted(sum(got, [])) == list(range(n))
     for g in got:
@@ -84,19 +89,7 @@ def test_exactly_once_delivery_to_three_clients():
 
 
 def test_more_consumers_than_num_clients_take_turns():
-    stage = staged(range(600), num_clients=1, capacity=2)
-    got = [[], [], []]
-
-    def consume(k):
-        for x in stage:
-            got[k].append(x)
-
-    threads = [threading.Thread(target=consume, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(HANG_BOUND_S)
-        assert not t.is_alive()
+    got = _consume_in_threads(staged(range(600), num_clients=1, capacity=2), 3)
     assert sorted(sum(got, [])) == list(range(600))
 
 

@@ -48,6 +48,18 @@ class TempDir {
   std::string path_;
 };
 
+// The RecordError f() throws; a test failure (and a kIo error) if none.
+template <typename F>
+RecordError expect_error(F f) {
+  try {
+    f();
+  } catch (const RecordError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no RecordError thrown";
+  return RecordError(RecordErrorKind::kIo, "");
+}
+
 inline std::string hex_decode(const std::string& hex) {
   std::string out;
   for (size_t i = 0; i + 1 < hex.size(); i += 2) {

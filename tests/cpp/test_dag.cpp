@@ -7,19 +7,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "schedule_test_util.h"
+
 namespace torch_stage::schedule {
 namespace {
 
-// Expects `fn` to throw std::invalid_argument whose message contains `part`.
-template <typename Fn>
-void expect_invalid(Fn fn, const std::string& part) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception; expected one mentioning: " << part;
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
+using testing::expect_invalid;
 
 TEST(Dag, KeepsEdgesSortedAndDeduplicated) {
   //  0 --> 2

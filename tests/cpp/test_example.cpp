@@ -13,6 +13,7 @@
 namespace torch_stage::records {
 namespace {
 
+using testing::expect_error;
 using testing::hex_decode;
 
 // Serialized by protobuf (the PyPI `tfrecord` package's example_pb2):
@@ -34,17 +35,6 @@ FeatureView find(const std::string& example, const std::string& key) {
       {key},
       &v);
   return v;
-}
-
-template <typename F>
-RecordError expect_error(F f) {
-  try {
-    f();
-  } catch (const RecordError& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no RecordError thrown";
-  return RecordError(RecordErrorKind::kIo, "");
 }
 
 TEST(ExampleEncoder, MatchesProtobufBytes) {

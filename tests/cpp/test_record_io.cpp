@@ -11,6 +11,7 @@
 namespace torch_stage::records {
 namespace {
 
+using testing::expect_error;
 using testing::hex_decode;
 using testing::read_all;
 using testing::read_raw;
@@ -22,17 +23,6 @@ using testing::write_records;
 // package): an empty record, then b"hello".
 const char* kEmptyRecordHex = "000000000000000029039807d8ea82a2";
 const char* kHelloRecordHex = "0500000000000000eab2043e68656c6c6fbb1f1c19";
-
-template <typename F>
-RecordError expect_error(F f) {
-  try {
-    f();
-  } catch (const RecordError& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no RecordError thrown";
-  return RecordError(RecordErrorKind::kIo, "");
-}
 
 TEST(RecordWriter, WritesTheExactFramingBytes) {
   TempDir dir;

@@ -12,6 +12,8 @@
 
 #include "schedule/matching.h"
 
+#include "schedule_test_util.h"
+
 namespace torch_stage::schedule {
 namespace {
 
@@ -39,15 +41,7 @@ std::vector<int> assign(
   return a.stream;
 }
 
-template <typename Fn>
-void expect_invalid(Fn fn, const std::string& part) {
-  try {
-    fn();
-    ADD_FAILURE() << "no exception; expected one mentioning: " << part;
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
+using testing::expect_invalid;
 
 const std::vector<Strategy> kStrategies = {
     Strategy::kMinSync,

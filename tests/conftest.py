@@ -15,6 +15,9 @@ HANG_BOUND_S = 60
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+    config.addinivalue_line(
+        "markers", "no_sanitizer: run without the stream sanitizer (the test installs its own)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,3 +65,33 @@ def run_python():
         return proc
 
     return run
+
+
+# Every test of the multi-stream half runs under the stream sanitizer
+# (torch_stage/sanitizer.py): on CPU the stream ops do nothing, so a plan
+# with a missing wait or record_stream would pass them all without it.
+_SANITIZED_MODULES = frozenset(
+    {
+        "test_compile_backend",
+        "test_cuda_graphs",
+        "test_fx_annotate",
+        "test_fx_multi_stream_pass",
+        "test_fx_partition",
+        "test_stream_ops",
+        "test_stream_scope",
+        "test_streams",
+    }
+)
+
+
+@pytest.fixture(autouse=True)
+def _stream_sanitizer(request):
+    module = request.module.__name__.rpartition(".")[2]
+    if module not in _SANITIZED_MODULES or "no_sanitizer" in request.keywords:
+        yield None
+        return
+    import torch_stage
+
+    with torch_stage.sanitize_streams() as sanitizer:
+        yield sanitizer
+    assert sanitizer.races == []

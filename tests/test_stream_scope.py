@@ -104,6 +104,10 @@ def test_a_block_that_raises_still_exits_its_scope():
     assert not scope.is_entered()
 
 
+# Under a Python dispatch mode, an error raised inside TorchScript reaches the
+# caller without its message (PyTorch's python_error crossing the
+# interpreter), so this message check runs without the sanitizer.
+@pytest.mark.no_sanitizer
 def test_stream_ids_outside_the_pool_are_named():
     @torch.jit.script
     def too_far(x: torch.Tensor) -> torch.Tensor:

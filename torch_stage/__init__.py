@@ -26,6 +26,7 @@ from torch_stage.errors import (  # noqa: E402
     StageClosed,
     StageError,
     StageTimeoutError,
+    StreamRaceError,
 )
 from torch_stage.loader import DataLoader  # noqa: E402
 from torch_stage.records import (  # noqa: E402
@@ -46,6 +47,7 @@ from torch_stage.stage import (  # noqa: E402
     make_prefetch_hook,
     staged,
 )
+from torch_stage.sanitizer import sanitize_streams  # noqa: E402
 from torch_stage.staging import StagingArea  # noqa: E402
 from torch_stage.streams import (  # noqa: E402
     MAX_STREAMS,
@@ -59,6 +61,11 @@ __version__ = "0.1.0"
 
 # backend="torch_stage" without an installed entry point (a source checkout).
 _compile_backend._register()
+
+# TORCH_STAGE_SANITIZE=1: the stream sanitizer for the whole process.
+from torch_stage import sanitizer as _sanitizer  # noqa: E402
+
+_process_sanitizer = _sanitizer._enable_from_environment()
 
 __all__ = [
     "Backend",
@@ -84,6 +91,7 @@ __all__ = [
     "StageError",
     "StageTimeoutError",
     "StagingArea",
+    "StreamRaceError",
     "VarLenFeature",
     "add_stage_thread_pool",
     "backend",
@@ -95,6 +103,7 @@ __all__ = [
     "multi_stream",
     "parse_example",
     "read_records",
+    "sanitize_streams",
     "staged",
     "stream",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "StageClosed",
     "StageError",
     "StageTimeoutError",
+    "StreamRaceError",
 ]
 
 
@@ -73,3 +74,18 @@ class FeatureError(RecordError):
 
 class MultiStreamTraceError(RuntimeError):
     """torch_stage.multi_stream could not trace a module with torch.fx."""
+
+
+class StreamRaceError(RuntimeError):
+    """Two accesses of one tensor's memory on different streams are not
+    ordered by the stream plan (raised by ``torch_stage.sanitize_streams``).
+
+    Attributes:
+        race: the :class:`torch_stage.sanitizer.StreamRace` found: the kind,
+            both accesses (op, FX node, stream, Python stack) and the
+            storage.
+    """
+
+    def __init__(self, message: str, race=None):
+        super().__init__(message)
+        self.race = race

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "python/bindings.h"
+#include "streams/stream_observer.h"
 #include "streams/stream_run.h"
 
 namespace py = pybind11;
@@ -85,6 +86,40 @@ void init_streams(py::module_& m) {
       },
       py::arg("run"),
       py::arg("side_streams"));
+  // torch_stage.sanitize_streams: every stream op, from any caller, as
+  // observer(op, owner, stream, event, streams, value, owner_thread).
+  m.def(
+      "_set_stream_observer",
+      [](py::object observer) {
+        if (observer.is_none()) {
+          py::gil_scoped_release no_gil;
+          set_stream_observer(nullptr);
+          return;
+        }
+        // The Python callable is released with the GIL held, whichever
+        // thread drops the last reference.
+        std::shared_ptr<py::object> held(
+            new py::object(std::move(observer)), [](py::object* o) {
+              py::gil_scoped_acquire gil;
+              delete o;
+            });
+        auto call = std::make_shared<const StreamObserver>(
+            [held](const StreamOpNote& note) {
+              py::gil_scoped_acquire gil;
+              (*held)(
+                  note.op,
+                  note.owner,
+                  note.stream,
+                  note.event,
+                  note.streams,
+                  torch::jit::toPyObject(note.value),
+                  note.owner_thread);
+            });
+        py::gil_scoped_release no_gil;
+        set_stream_observer(std::move(call));
+      },
+      py::arg("observer"));
+  m.def("_stream_run_id", [](py::handle run) { return run_from(run)->id(); });
 }
 
 } // namespace torch_stage::python

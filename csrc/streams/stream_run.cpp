@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "streams/stream_observer.h"
 #include "streams/stream_pool.h"
 
 namespace torch_stage {
@@ -14,6 +15,25 @@ namespace {
 
 bool has_streams(c10::DeviceType type) {
   return type != c10::DeviceType::CPU && type != c10::DeviceType::Meta;
+}
+
+void notify(
+    const char* op,
+    int64_t owner,
+    int64_t stream,
+    int64_t event = -1,
+    std::vector<int64_t> streams = {},
+    c10::IValue value = {},
+    bool owner_thread = true) {
+  StreamOpNote note;
+  note.op = op;
+  note.owner = owner;
+  note.stream = stream;
+  note.event = event;
+  note.streams = std::move(streams);
+  note.value = std::move(value);
+  note.owner_thread = owner_thread;
+  notify_stream_op(note);
 }
 
 } // namespace
@@ -56,6 +76,7 @@ StreamRun::StreamRun(
     const std::vector<int64_t>& side_streams,
     int64_t num_events)
     : owner_(std::this_thread::get_id()),
+      id_(next_stream_owner_id()),
       num_streams_(num_streams),
       device_(device) {
   TORCH_CHECK_VALUE(
@@ -86,6 +107,9 @@ StreamRun::StreamRun(
   }
   forked_ = side_streams;
   recorded_.assign(static_cast<size_t>(num_events), false);
+  if (stream_observer_active()) {
+    notify("fork", id_, num_streams_, -1, forked_);
+  }
   if (!device_ || !has_streams(device_->type())) {
     return;
   }
@@ -109,7 +133,7 @@ StreamRun::StreamRun(
 }
 
 StreamRun::~StreamRun() {
-  if (!active_ || joined_) {
+  if (joined_) {
     return;
   }
   try {
@@ -163,6 +187,9 @@ void StreamRun::check_event(const char* op, int64_t event) const {
 void StreamRun::set_stream(int64_t stream) {
   check_usable("set_stream");
   check_stream("set_stream", stream);
+  if (stream_observer_active()) {
+    notify("set_stream", id_, stream);
+  }
   if (active_ && stream != current_) {
     impl_->exchangeStream(streams_[stream]);
   }
@@ -179,6 +206,9 @@ void StreamRun::record_event(int64_t event, int64_t stream) {
       event,
       " is recorded twice in one run (the stream plan is inconsistent)");
   recorded_[event] = true;
+  if (stream_observer_active()) {
+    notify("record_event", id_, stream, event);
+  }
   if (active_) {
     events_[event].record(streams_[stream]);
   }
@@ -199,6 +229,9 @@ void StreamRun::wait_event(int64_t event, int64_t stream) {
       event,
       ", which has not been recorded in this run (the stream plan is "
       "inconsistent)");
+  if (stream_observer_active()) {
+    notify("wait_event", id_, stream, event);
+  }
   if (active_) {
     events_[event].block(streams_[stream]);
   }
@@ -229,6 +262,9 @@ void StreamRun::keep(const c10::IValue& value, const c10::Stream& stream) {
 void StreamRun::record_stream(const c10::IValue& value, int64_t stream) {
   check_usable("record_stream");
   check_stream("record_stream", stream);
+  if (stream_observer_active()) {
+    notify("record_stream", id_, stream, -1, {}, value);
+  }
   if (active_) {
     keep(value, streams_[stream]);
   }
@@ -250,12 +286,16 @@ void StreamRun::join(const std::vector<int64_t>& side_streams) {
 
 void StreamRun::finish(const std::vector<int64_t>& streams) {
   joined_ = true;
+  const bool on_owner = std::this_thread::get_id() == owner_;
+  if (stream_observer_active()) {
+    notify("join", id_, 0, -1, streams, {}, on_owner);
+  }
   if (!active_) {
     return;
   }
   // Restoring the current stream is only meaningful on the owning thread
   // (it is thread-local); joins are device work and valid from any thread.
-  if (std::this_thread::get_id() == owner_ && current_ != 0) {
+  if (on_owner && current_ != 0) {
     impl_->exchangeStream(streams_[0]);
   }
   current_ = 0;

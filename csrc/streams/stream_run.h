@@ -90,6 +90,10 @@ class StreamRun : public torch::CustomClassHolder {
   // After join the run accepts no more ops.
   void join(const std::vector<int64_t>& side_streams);
 
+  // The run's id in StreamObserver notes (csrc/streams/stream_observer.h).
+  int64_t id() const {
+    return id_;
+  }
   bool is_active() const {
     return active_;
   }
@@ -114,6 +118,8 @@ class StreamRun : public torch::CustomClassHolder {
   void finish(const std::vector<int64_t>& streams);
 
   const std::thread::id owner_;
+  // This run's id in StreamObserver notes.
+  const int64_t id_;
   const int64_t num_streams_;
   bool active_ = false;
   bool joined_ = false;

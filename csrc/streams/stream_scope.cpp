@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "streams/stream_observer.h"
 #include "streams/stream_pool.h"
 
 namespace torch_stage {
@@ -43,6 +44,7 @@ std::optional<c10::Device> StreamScope::default_device() {
 
 StreamScope::StreamScope(int64_t index, std::optional<c10::Device> device)
     : index_(index),
+      id_(next_stream_owner_id()),
       device_(
           device && device->type() != c10::DeviceType::CPU &&
                   device->type() != c10::DeviceType::Meta
@@ -118,6 +120,13 @@ void StreamScope::enter() {
   owner_ = std::this_thread::get_id();
   entered_ = true;
   tls_entered.push_back(this);
+  if (stream_observer_active()) {
+    StreamOpNote note;
+    note.op = "scope_enter";
+    note.owner = id_;
+    note.stream = index_;
+    notify_stream_op(note);
+  }
 }
 
 void StreamScope::exit() {
@@ -143,6 +152,14 @@ void StreamScope::exit() {
 
 void StreamScope::finish() {
   entered_ = false;
+  if (stream_observer_active()) {
+    StreamOpNote note;
+    note.op = "scope_exit";
+    note.owner = id_;
+    note.stream = index_;
+    note.owner_thread = std::this_thread::get_id() == owner_;
+    notify_stream_op(note);
+  }
   if (!device_ || !target_) {
     return;
   }

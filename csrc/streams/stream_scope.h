@@ -101,6 +101,8 @@ class StreamScope : public torch::CustomClassHolder {
   void finish();
 
   const int64_t index_;
+  // This scope's id in StreamObserver notes.
+  const int64_t id_;
   const std::optional<c10::Device> device_;
   // The device's stream and event interface (active scopes only).
   const c10::impl::DeviceGuardImplInterface* impl_ = nullptr;

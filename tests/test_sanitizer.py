@@ -7,9 +7,9 @@ import threading
 
 import pytest
 import torch
+import zoo
 
 import torch_stage
-import zoo
 from torch_stage.fx import _ops
 from torch_stage.fx.cost_model import is_view
 

@@ -41,13 +41,13 @@ from torch_stage.records import (  # noqa: E402
     parse_example,
     read_records,
 )
+from torch_stage.sanitizer import sanitize_streams  # noqa: E402
 from torch_stage.stage import (  # noqa: E402
     Stage,
     add_stage_thread_pool,
     make_prefetch_hook,
     staged,
 )
-from torch_stage.sanitizer import sanitize_streams  # noqa: E402
 from torch_stage.staging import StagingArea  # noqa: E402
 from torch_stage.streams import (  # noqa: E402
     MAX_STREAMS,

@@ -30,10 +30,10 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   another stream is not ordered before that allocation and no
   ``record_stream`` names that stream, the allocation races with it.
 * Autograd: a backward node runs on the stream that ran the forward op
-  that made it (tagged in ``node.metadata`` when the op returns), as PyTorch's engine does on a GPU. The engine orders a
-  node after the producers of its input gradients; the model orders it
-  after every node that ran before it in the same backward pass (a
-  superset), so races between backward nodes running side by side are not
+  that made it (tagged in ``node.metadata`` when the op returns), as
+  PyTorch's engine does on a GPU. The engine orders a node after the
+  producers of its input gradients; the model orders it after every node
+  that ran before it in the same backward pass (a superset), so races between backward nodes running side by side are not
   reported, while everything between the forward pass, the backward pass
   and the optimizer is. When backward ends, the caller's stream waits on
   every stream backward used (the engine's leaf-stream sync). Nodes of
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import threading
 import weakref
@@ -74,6 +75,7 @@ __all__ = ["StreamAccess", "StreamRace", "StreamSanitizer", "sanitize_streams"]
 DEFAULT_STREAM = "default"
 
 _Clock = Dict[str, int]
+_ASSIGNED = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
 
 # Frames of these files are left out of access stacks: they are the
 # machinery, not the user's code.
@@ -632,8 +634,9 @@ class StreamSanitizer(TorchDispatchMode):
             code = f.f_code
             filename = code.co_filename
             if node is None and filename.startswith("<eval_with_key>"):
-                line = linecache.getline(filename, f.f_lineno)
-                node = line.split("=", 1)[0].strip() if "=" in line else line.strip()
+                # Generated code assigns each node to its name.
+                match = _ASSIGNED.match(linecache.getline(filename, f.f_lineno))
+                node = match.group(1) if match else None
             if self.stacks and not filename.startswith(_INTERNAL_DIRS):
                 frames.append((filename, f.f_lineno, code.co_name))
             f = f.f_back

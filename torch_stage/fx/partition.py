@@ -24,10 +24,8 @@ scheduler) and wraps the answer in a :class:`StreamPlan`.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -40,6 +38,7 @@ from torch_stage.fx import _ops
 from torch_stage.fx._example import clone_inputs, isolated, tensors_in
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.cost_model import default_cost, is_view
+from torch_stage.fx.effects import written_args
 
 __all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
 
@@ -384,33 +383,15 @@ class GraphAnalysis:
 
     def _mutated_args(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         found: List[Any] = []
-        target = n.target
-        if n.op == "call_method":
-            if target.endswith("_") and not target.startswith("_") and n.args:
-                found.append(n.args[0])
-        elif n.op == "call_module":
-            module = self.gm.get_submodule(target)
+        if n.op == "call_module":
+            module = self.gm.get_submodule(n.target)
             if getattr(module, "inplace", False) is True and n.args:
                 found.append(n.args[0])
-        elif n.op == "call_function":
+        elif n.op in ("call_function", "call_method"):
+            # From the ATen schemas of what the node runs (fx/effects.py).
+            found.extend(_flat_nodes(written_args(n)))
             if "out" in n.kwargs:
                 found.extend(_flat_nodes(n.kwargs["out"]))
-            if target is operator.setitem:
-                found.append(n.args[0])
-            schema = getattr(target, "_schema", None)
-            if isinstance(target, torch._ops.OpOverloadPacket):
-                schema = getattr(getattr(target, "default", None), "_schema", None)
-            if schema is not None:
-                for i, arg in enumerate(schema.arguments):
-                    if arg.alias_info is not None and arg.alias_info.is_write:
-                        value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-                        found.extend(_flat_nodes(value))
-            else:
-                name = getattr(target, "__name__", "")
-                if name.endswith("_") and not name.startswith("_") and n.args:
-                    found.append(n.args[0])
-                elif _inplace_flag(target, n.args, n.kwargs) and n.args:
-                    found.append(n.args[0])
         return [x for x in found if isinstance(x, torch.fx.Node)]
 
     def _impure(self, n: torch.fx.Node) -> bool:
@@ -601,18 +582,6 @@ def _flat_nodes(value: Any) -> List[Any]:
     if isinstance(value, (list, tuple)):
         return [x for item in value for x in _flat_nodes(item)]
     return [value]
-
-
-def _inplace_flag(target: Any, args: tuple, kwargs: dict) -> bool:
-    if kwargs.get("inplace") is True:
-        return True
-    if not inspect.isfunction(target):
-        return False
-    try:
-        bound = inspect.signature(target).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return False
-    return bound.arguments.get("inplace") is True
 
 
 def _target_name(n: torch.fx.Node) -> str:

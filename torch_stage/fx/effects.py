@@ -1,0 +1,180 @@
+"""Which arguments a graph node writes, from the ATen schemas of the ops it
+runs.
+
+A node's target may be an ATen overload or packet, a ``torch.*`` builtin, a
+``Tensor`` method, an ``operator`` function (Dynamo records ``h += 1`` as
+``operator.iadd``) or any Python function that ends in ATen ops. Names do
+not say which of them write (``add_`` does, ``_foreach_add_`` and
+``_fused_adam_`` do though their names start with ``_``, ``iadd`` does
+with no trailing ``_``), so the answer is taken from the ops themselves:
+
+1. an ATen overload: its schema (``alias_info.is_write``);
+2. anything else: the node is run once on meta tensors (no data, no
+   device work) under a dispatch mode that records the ATen ops it reaches
+   and, from their schemas, which of the meta tensors they write; those map
+   back to the node's arguments. Meta tensors take the node's recorded
+   shapes and dtypes when example inputs were given (``tensor_meta``), else
+   one-element float tensors, which answer for every op whose writes do
+   not depend on shapes;
+3. a packet or builtin the probe cannot run: the union, over the op's
+   overloads, of the positions and names its schemas mark as written.
+
+Schemas understate a few writes, written down here with a test each
+(tests/test_fx_effects.py): batch norm's running statistics in training
+(``native_batch_norm`` takes them as plain inputs), handled where modules
+are classified (torch_stage/fx/partition.py); RNG state, which the rewrite
+keeps by issuing random ops in their original order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx
+from torch.jit._builtins import _find_builtin
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["written_args"]
+
+
+def written_args(n: torch.fx.Node) -> List[Any]:
+    """The values among ``n``'s arguments (nodes or lists of nodes) that
+    ``n`` writes, for ``call_function`` and ``call_method`` nodes."""
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return _by_schemas([n.target._schema], n.args, n.kwargs)
+    if n.op not in ("call_function", "call_method"):
+        return []
+    if _probe_safe(n):
+        probed = _probe(n)
+        if probed is not None:
+            return probed
+    return _by_schemas(_schemas(n), n.args, n.kwargs)
+
+
+def _probe_safe(n: torch.fx.Node) -> bool:
+    # Only torch's own callables run on the probe: a user's leaf function
+    # may have side effects that must not happen at planning time.
+    if n.op == "call_method":
+        return True
+    module = getattr(n.target, "__module__", None) or ""
+    return module in ("_operator", "operator") or module.split(".")[0] == "torch"
+
+
+def _schemas(n: torch.fx.Node) -> List[Any]:
+    target = n.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, o)._schema for o in target.overloads()]
+    if n.op == "call_method":
+        name = f"aten::{target}"
+    else:
+        name = _find_builtin(target)
+    if not name:
+        return []
+    try:
+        return list(torch._C._jit_get_schemas_for_operator(name))
+    except RuntimeError:
+        return []
+
+
+def _by_schemas(schemas: Sequence[Any], args: tuple, kwargs: dict) -> List[Any]:
+    found: List[Any] = []
+    for schema in schemas:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if not arg.kwarg_only and i < len(args):
+                found.append(args[i])
+            elif arg.name in kwargs:
+                found.append(kwargs[arg.name])
+    unique: List[Any] = []
+    for value in found:
+        if not any(value is u for u in unique):
+            unique.append(value)
+    return unique
+
+
+class _WriteRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.written: List[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if not arg.kwarg_only and i < len(args):
+                value = args[i]
+            else:
+                value = kwargs.get(arg.name)
+            self.written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        return func(*args, **kwargs)
+
+
+def _meta_for(node: torch.fx.Node) -> Optional[Any]:
+    meta = node.meta.get("tensor_meta")
+    if meta is None:
+        return torch.empty(1, device="meta")
+    if isinstance(meta, (list, tuple)):
+        return None  # several outputs: the probe would need their structure
+    try:
+        return torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta")
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
+    """Run ``n`` on meta tensors and map the written ones to its args."""
+    stand_ins: Dict[torch.fx.Node, torch.Tensor] = {}
+    failed = False
+
+    def stand_in(value):
+        nonlocal failed
+        if not isinstance(value, torch.fx.Node):
+            return value
+        if value not in stand_ins:
+            if (
+                value.op == "get_attr"
+                or "val" in value.meta
+                and not isinstance(value.meta.get("val"), torch.Tensor)
+            ):
+                failed = True
+                return value
+            t = _meta_for(value)
+            if t is None:
+                failed = True
+                return value
+            stand_ins[value] = t
+        return stand_ins[value]
+
+    args = tree_map(stand_in, n.args)
+    kwargs = tree_map(stand_in, n.kwargs)
+    if failed or not stand_ins:
+        return None
+    recorder = _WriteRecorder()
+    try:
+        with recorder:
+            if n.op == "call_method":
+                getattr(args[0], n.target)(*args[1:], **kwargs)
+            else:
+                n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001  any failure means: ask the schemas
+        return None
+    written_storages = set()
+    for t in recorder.written:
+        try:
+            written_storages.add(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            pass
+
+    def is_written(node: torch.fx.Node) -> bool:
+        t = stand_ins.get(node)
+        return t is not None and t.untyped_storage()._cdata in written_storages
+
+    found: List[Any] = []
+    for value in tree_flatten((n.args, n.kwargs))[0]:
+        if isinstance(value, torch.fx.Node) and is_written(value) and value not in found:
+            found.append(value)
+    return found

@@ -33,14 +33,15 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   that made it (tagged in ``node.metadata`` when the op returns), as
   PyTorch's engine does on a GPU. The engine orders a node after the
   producers of its input gradients; the model orders it after every node
-  that ran before it in the same backward pass (a superset), so races between backward nodes running side by side are not
-  reported, while everything between the forward pass, the backward pass
+  that ran before it in the same backward pass (a superset), so races
+  between backward nodes running side by side are not reported, while everything between the forward pass, the backward pass
   and the optimizer is. When backward ends, the caller's stream waits on
   every stream backward used (the engine's leaf-stream sync). Nodes of
   scripted code are tagged the same way.
 
 A race raises :class:`torch_stage.StreamRaceError` at the op that races
-(or, for frees, at the next op or on exit), or, with
+(for a free, at the op after the allocation that may reuse the memory,
+or on exit), or, with
 ``raise_on_race=False``, is appended to :attr:`StreamSanitizer.races`.
 
 Scope: the model covers the threads that entered the sanitizer (each

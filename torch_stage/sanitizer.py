@@ -34,8 +34,9 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   PyTorch's engine does on a GPU. The engine orders a node after the
   producers of its input gradients; the model orders it after every node
   that ran before it in the same backward pass (a superset), so races
-  between backward nodes running side by side are not reported, while everything between the forward pass, the backward pass
-  and the optimizer is. When backward ends, the caller's stream waits on
+  between backward nodes running side by side are not reported, while
+  everything between the forward pass, the backward pass and the optimizer
+  is. When backward ends, the caller's stream waits on
   every stream backward used (the engine's leaf-stream sync). Nodes of
   scripted code are tagged the same way.
 

@@ -355,3 +355,35 @@ def test_every_wait_removal_that_breaks_a_dependency_is_reported(name):
         reported += bool(found)
         expected += conflict
     assert reported == expected > 0
+
+
+# -- hazards of the stream runtime (../shared/research/gpu-review.md) --------
+
+
+class _FailsOnASideStream(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        with torch_stage.stream(1):
+            v = self.b(y)
+        return self.a(x) + v
+
+
+def test_an_error_on_a_side_stream_restores_the_callers_stream_before_it_leaves():
+    # gpu-review #5: the run was finished only when the failed frame died,
+    # so an `except` block (an OOM retry) ran on side stream 1, unordered
+    # with the caller's stream; kept exceptions kept it there.
+    model = torch_stage.multi_stream(_FailsOnASideStream(), num_streams=2, strategy="user")
+    x = torch.randn(4, 16)
+    with torch_stage.sanitize_streams() as sanitizer:
+        try:
+            model(x, torch.randn(4, 7))
+        except RuntimeError as e:
+            kept = e
+            assert sanitizer.current_stream() == "default"
+            retried = model(x, torch.randn(4, 16))  # the retry's fork is the caller's
+        assert sanitizer.current_stream() == "default"
+        assert kept is not None and retried.shape == (4, 16)

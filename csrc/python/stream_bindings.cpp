@@ -120,6 +120,9 @@ void init_streams(py::module_& m) {
       },
       py::arg("observer"));
   m.def("_stream_run_id", [](py::handle run) { return run_from(run)->id(); });
+  m.def("_stream_run_depth", &StreamRun::thread_run_depth);
+  m.def(
+      "_stream_abort_runs", &StreamRun::abort_thread_runs, py::arg("depth"));
 }
 
 } // namespace torch_stage::python

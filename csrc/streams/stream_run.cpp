@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "streams/stream_observer.h"
@@ -15,6 +17,25 @@ namespace {
 
 bool has_streams(c10::DeviceType type) {
   return type != c10::DeviceType::CPU && type != c10::DeviceType::Meta;
+}
+
+// Runs forked on this thread and not yet finished here, oldest first, by
+// id: abort_thread_runs finishes those above a depth. Only the owning
+// thread reads or writes its vector.
+thread_local std::vector<int64_t> tls_runs;
+
+// Every live run by id, so an abort never touches a destroyed run. Guards
+// the map and, during an abort, the runs it finishes (recursive: finishing
+// notifies the observer, whose Python code may drop the last reference of
+// another run on this thread).
+std::recursive_mutex& live_mutex() {
+  static auto* m = new std::recursive_mutex();
+  return *m;
+}
+
+std::unordered_map<int64_t, StreamRun*>& live_runs() {
+  static auto* runs = new std::unordered_map<int64_t, StreamRun*>();
+  return *runs;
 }
 
 void notify(
@@ -107,6 +128,19 @@ StreamRun::StreamRun(
   }
   forked_ = side_streams;
   recorded_.assign(static_cast<size_t>(num_events), false);
+  {
+    std::lock_guard<std::recursive_mutex> lock(live_mutex());
+    auto& live = live_runs();
+    // Ids of runs finished or destroyed on other threads stay behind here.
+    tls_runs.erase(
+        std::remove_if(
+            tls_runs.begin(),
+            tls_runs.end(),
+            [&](int64_t id) { return live.count(id) == 0; }),
+        tls_runs.end());
+    live[id_] = this;
+    tls_runs.push_back(id_);
+  }
   if (stream_observer_active()) {
     notify("fork", id_, num_streams_, -1, forked_);
   }
@@ -133,6 +167,10 @@ StreamRun::StreamRun(
 }
 
 StreamRun::~StreamRun() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(live_mutex());
+    live_runs().erase(id_);
+  }
   if (joined_) {
     return;
   }
@@ -284,9 +322,31 @@ void StreamRun::join(const std::vector<int64_t>& side_streams) {
   finish(side_streams);
 }
 
+int64_t StreamRun::thread_run_depth() {
+  return static_cast<int64_t>(tls_runs.size());
+}
+
+void StreamRun::abort_thread_runs(int64_t depth) {
+  std::lock_guard<std::recursive_mutex> lock(live_mutex());
+  while (static_cast<int64_t>(tls_runs.size()) > std::max<int64_t>(depth, 0)) {
+    const int64_t id = tls_runs.back();
+    tls_runs.pop_back();
+    auto it = live_runs().find(id);
+    if (it != live_runs().end() && !it->second->joined_) {
+      it->second->finish(it->second->forked_);
+    }
+  }
+}
+
 void StreamRun::finish(const std::vector<int64_t>& streams) {
   joined_ = true;
   const bool on_owner = std::this_thread::get_id() == owner_;
+  if (on_owner) {
+    auto it = std::find(tls_runs.rbegin(), tls_runs.rend(), id_);
+    if (it != tls_runs.rend()) {
+      tls_runs.erase(std::next(it).base());
+    }
+  }
   if (stream_observer_active()) {
     notify("join", id_, 0, -1, streams, {}, on_owner);
   }

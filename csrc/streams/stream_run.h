@@ -33,11 +33,15 @@
 // per consuming stream, so the allocator cost that makes record_stream
 // notorious (pytorch#76861) stays proportional to the cross-stream edges.)
 //
-// If the call fails between fork and join (an op throws), the StreamRun is
-// destroyed without join: the destructor restores the caller's stream and
-// makes it wait on every forked side stream, so nothing is left running
-// unordered. (In Python the destructor runs when the failed frame is
-// released, i.e. once the exception is handled.)
+// If the call fails between fork and join (an op throws), the run must be
+// finished before the exception reaches the caller: the caller's stream is
+// restored and waits on every forked side stream, so nothing is left
+// running unordered and the caller's `except` block runs on its own stream.
+// TorchScript and C++ callers get that from the destructor (the run dies as
+// the frame unwinds); in Python the failed frame lives on in the traceback,
+// so the multi-stream GraphModule calls abort_thread_runs when forward
+// raises (torch_stage/fx/multi_stream_pass.py). The destructor still
+// finishes a run nobody finished.
 //
 // Threads: a StreamRun belongs to the thread that forked it (the current
 // stream is thread-local); any other thread gets an error. Different runs
@@ -94,6 +98,15 @@ class StreamRun : public torch::CustomClassHolder {
   int64_t id() const {
     return id_;
   }
+  // Runs forked on the calling thread and not finished (an abort depth).
+  static int64_t thread_run_depth();
+  // Finishes (joins, and restores the caller's stream) the runs forked on
+  // the calling thread after it was at `depth`, newest first: the
+  // multi-stream module calls it when forward raises, so the caller's
+  // stream is current again before the exception leaves forward (the run
+  // itself lives on in the traceback).
+  static void abort_thread_runs(int64_t depth);
+
   bool is_active() const {
     return active_;
   }

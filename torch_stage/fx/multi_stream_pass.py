@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
+from torch_stage import _C
 from torch_stage._checks import check_int
 from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
@@ -34,7 +35,7 @@ from torch_stage.fx.annotate import AnnotatingTracer
 from torch_stage.fx.partition import CONST, DEVICE, OUTPUT, GraphAnalysis, StreamPlan, plan
 from torch_stage.streams import _check_num_streams, _check_strategy
 
-__all__ = ["MultiStreamPass"]
+__all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
 
 #: Set to 1 to check every plan with the C++ verifier while planning.
 VERIFY_ENV = "TORCH_STAGE_VERIFY"
@@ -154,9 +155,43 @@ class MultiStreamPass:
         if raw["fork"]:
             _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
             graph.lint()
-        result = torch.fx.GraphModule(graph_module, graph, type(graph_module).__name__)
+        cls = MultiStreamGraphModule if raw["fork"] else torch.fx.GraphModule
+        result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
+
+
+class MultiStreamGraphModule(torch.fx.GraphModule):
+    """The ``GraphModule`` :func:`torch_stage.multi_stream` returns for a
+    plan that forks side streams.
+
+    Its code is the rewritten graph's (TorchScript scripts it as any
+    ``GraphModule``). Called from Python, a forward that raises finishes its
+    stream run before the exception leaves: the caller's stream is current
+    again and waits on the side streams, so an ``except`` block (an OOM
+    retry) runs on the caller's stream. Without this the run would live on
+    in the traceback's frame, and the thread on a side stream, for as long
+    as the exception is kept (csrc/streams/stream_run.h).
+    """
+
+    def recompile(self):
+        code = super().recompile()
+        # recompile() installs __call__ on this instance's own class.
+        cls = type(self)
+        call = cls.__call__
+        if not getattr(call, "_torch_stage_finishes_runs", False):
+
+            def __call__(self, *args, **kwargs):
+                depth = _C._stream_run_depth()
+                try:
+                    return call(self, *args, **kwargs)
+                except BaseException:
+                    _C._stream_abort_runs(depth)
+                    raise
+
+            __call__._torch_stage_finishes_runs = True
+            cls.__call__ = __call__
+        return code
 
 
 class _Rewrite:

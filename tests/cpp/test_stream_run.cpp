@@ -124,6 +124,34 @@ TEST(StreamRun, JoinRestoresTheCallersStreamAndWaitsForSideStreams) {
   EXPECT_TRUE(contains(log[3], "wait") && contains(log[3], " s0")) << log[3];
 }
 
+// A forward that raises in Python: the run lives on in the traceback, and
+// abort_thread_runs finishes the runs forked since the call began, newest
+// first, leaving older ones (an enclosing module's) alone.
+TEST(StreamRun, AbortFinishesTheRunsForkedAboveADepth) {
+  const auto device = fake_device(1);
+  const int64_t depth = StreamRun::thread_run_depth();
+  StreamRun outer(device, 2, {1}, 0);
+  const int64_t inner_depth = StreamRun::thread_run_depth();
+  EXPECT_EQ(inner_depth, depth + 1);
+  {
+    StreamRun inner(device, 3, {2}, 0);
+    inner.set_stream(2);
+    EXPECT_NE(fake().current(1), 0);
+    EXPECT_EQ(StreamRun::thread_run_depth(), depth + 2);
+    StreamRun::abort_thread_runs(inner_depth);
+    EXPECT_EQ(fake().current(1), 0); // the caller's stream again
+    EXPECT_EQ(StreamRun::thread_run_depth(), inner_depth);
+    EXPECT_TRUE(contains(
+        error_of([&] { inner.set_stream(0); }),
+        "the stream run was already joined"));
+  }
+  outer.set_stream(1); // untouched by the abort
+  outer.join({1});
+  EXPECT_EQ(StreamRun::thread_run_depth(), depth);
+  StreamRun::abort_thread_runs(depth); // nothing left: a no-op
+  fake().take_log();
+}
+
 TEST(StreamRun, AnAbandonedRunRestoresAndJoinsEverything) {
   const auto device = fake_device(1);
   fake().take_log();

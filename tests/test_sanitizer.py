@@ -387,3 +387,52 @@ def test_an_error_on_a_side_stream_restores_the_callers_stream_before_it_leaves(
             retried = model(x, torch.randn(4, 16))  # the retry's fork is the caller's
         assert sanitizer.current_stream() == "default"
         assert kept is not None and retried.shape == (4, 16)
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch_stage.stream(1):
+            v = self.b(x)
+        return self.a(x) + v
+
+
+def test_staged_items_are_handed_over_with_a_wait():
+    items = [torch.randn(16) for _ in range(4)]
+    with torch_stage.sanitize_streams() as sanitizer:
+        stage = torch_stage.staged(iter(items), device="cpu", stage_subgraph_stream_id=1)
+        got = [t * 2 for t in stage]
+    assert sanitizer.races == []
+    assert [torch.equal(g, i * 2) for g, i in zip(got, items)] == [True] * 4
+
+
+def test_staging_never_reuses_memory_that_multi_stream_training_freed():
+    # gpu-review #2/#7: staging copies ran on pool stream 1, which also runs
+    # the side-stream half of the model. A gradient made on stream 1 by
+    # backward, read by the optimizer on the caller's stream and freed by
+    # zero_grad goes back to stream 1's free list, where the next staging
+    # allocation may take it while the optimizer's kernels are queued.
+    torch.manual_seed(0)
+    model = torch_stage.multi_stream(_TwoBranches(), num_streams=2, strategy="user")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate = threading.Event()
+
+    def source():
+        yield torch.randn(4, 16)
+        gate.wait(timeout=60)  # the next batch is staged after zero_grad
+        yield torch.randn(4, 16)
+
+    with torch_stage.sanitize_streams() as sanitizer:
+        stage = torch_stage.staged(
+            source(), device="cpu", stage_subgraph_stream_id=1, capacity=1
+        )
+        for batch in stage:
+            model(batch).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            gate.set()
+    assert sanitizer.races == []

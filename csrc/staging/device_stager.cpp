@@ -1,5 +1,6 @@
 #include "staging/device_stager.h"
 
+#include "streams/stream_observer.h"
 #include "streams/stream_pool.h"
 
 #include <ATen/ATen.h>
@@ -99,7 +100,26 @@ DeviceStager::DeviceStager(
     bool fuse_on_cpu)
     : device_(checked_device(device)),
       fuse_on_cpu_(fuse_on_cpu),
+      stream_id_(stream_id),
       stream_(staging_stream(device_, stream_id)) {}
+
+void DeviceStager::note_copy(StageItem& item) const {
+  if (stream_id_ == 0 || !stream_observer_active()) {
+    return;
+  }
+  c10::List<at::Tensor> tensors;
+  for (const auto& t : item.tensors) {
+    if (t.defined()) {
+      tensors.push_back(t);
+    }
+  }
+  StreamOpNote note;
+  note.op = "stage_copy";
+  note.owner = item.note_id = next_stream_owner_id();
+  note.stream = stream_id_;
+  note.value = std::move(tensors);
+  notify_stream_op(note);
+}
 
 DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
   HostBuffer buffer;
@@ -150,6 +170,7 @@ void DeviceStager::stage(StageItem& item) {
         t = t.to(device_);
       }
     }
+    note_copy(item);
     return;
   }
   const FusedLayout layout =
@@ -223,6 +244,7 @@ void DeviceStager::stage(StageItem& item) {
     done->record(stream_);
     item.ready = std::move(done);
   }
+  note_copy(item);
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.items;
   stats_.fused_tensors += fused;
@@ -230,6 +252,13 @@ void DeviceStager::stage(StageItem& item) {
 }
 
 void DeviceStager::hand_over(StageItem& item) {
+  if (item.note_id != 0 && stream_observer_active()) {
+    StreamOpNote note;
+    note.op = "stage_hand_over";
+    note.owner = item.note_id;
+    notify_stream_op(note);
+    item.note_id = 0;
+  }
   if (!item.ready) {
     return;
   }

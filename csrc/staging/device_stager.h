@@ -13,6 +13,13 @@
 //   4. The item's tensors become views of the device buffer. Tensors that
 //      cannot be fused (already on the target device: passed through; other
 //      devices or sparse layouts: copied one by one) keep their own memory.
+// StreamObserver (torch_stage.sanitize_streams): with stream_id >= 1, each
+// item sends "stage_copy" (its tensors are allocated and written on staging
+// stream stream_id, an event is recorded) and hand_over sends
+// "stage_hand_over" (the consumer's stream waits on it). CPU targets send
+// the same notes, describing what a device would do, so the protocol is
+// checked on machines without one.
+//
 // Consumers call hand_over() on their thread: their current stream waits on
 // the event, and the device buffer is recorded on that stream so the caching
 // allocator does not reuse it while the consumer's work may still read it
@@ -98,8 +105,12 @@ class DeviceStager {
   HostBuffer acquire_host_buffer(int64_t bytes);
   void release_host_buffer(HostBuffer buffer);
 
+  // Sends the "stage_copy" note for `item` (StreamObserver).
+  void note_copy(StageItem& item) const;
+
   const c10::Device device_;
   const bool fuse_on_cpu_;
+  const int64_t stream_id_;
   c10::Stream stream_;
 
   mutable std::mutex mu_;

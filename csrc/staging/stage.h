@@ -83,6 +83,8 @@ struct StageItem {
   // it), and the device memory they must keep safe on their own stream.
   std::shared_ptr<c10::Event> ready;
   at::Tensor device_storage;
+  // The staging copy's id in StreamObserver notes (0: none was sent).
+  int64_t note_id = 0;
 };
 
 // What a producer step produced.

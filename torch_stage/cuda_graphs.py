@@ -53,6 +53,7 @@ from typing import Any, Dict, List
 import torch
 from torch.utils import _pytree as pytree
 
+from torch_stage import _C
 from torch_stage._checks import check_int
 
 __all__ = ["CUDAGraphModule", "check_cuda_graphs"]
@@ -211,12 +212,16 @@ class CUDAGraphModule(torch.nn.Module):
                 static_leaves[i] = buffer
                 copied.append(i)
         args, kwargs = pytree.tree_unflatten(static_leaves, spec)
-        # A high-priority stream: PyTorch's pools hand out low- and
-        # high-priority streams separately, so it is never one of the
-        # multi-stream side streams (taken from the low-priority pool).
+        # StreamPool's capture stream: high priority, so never one of the
+        # multi-stream side streams (PyTorch's pools hand out low- and
+        # high-priority streams separately), and never a staging stream,
+        # whose copies a capture would pull in (gpu-review #2).
         stream = self._streams.get(device)
         if stream is None:
-            stream = torch.cuda.Stream(device=device, priority=-1)
+            stream_id, index, device_type = _C._capture_stream(str(device))
+            stream = torch.cuda.Stream(
+                stream_id=stream_id, device_index=index, device_type=device_type
+            )
             self._streams[device] = stream
         caller = torch.cuda.current_stream(device)
         stream.wait_stream(caller)

@@ -411,7 +411,7 @@ class StreamSanitizer(TorchDispatchMode):
     def _on_stage(self, op: str, owner: int, stream: int, event: int, value: Any) -> None:
         key = (-owner, event)
         if op == "stage_copy":
-            name = f"pool{stream}"
+            name = f"staging{stream}"
             seq = self._tick(name)
             access = StreamAccess(name, seq, "stage_copy", None, True)
             self._check_reuse(name, access)

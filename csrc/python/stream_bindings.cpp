@@ -20,6 +20,7 @@
 
 #include "python/bindings.h"
 #include "streams/stream_observer.h"
+#include "streams/stream_pool.h"
 #include "streams/stream_run.h"
 
 namespace py = pybind11;
@@ -121,6 +122,18 @@ void init_streams(py::module_& m) {
       py::arg("observer"));
   m.def("_stream_run_id", [](py::handle run) { return run_from(run)->id(); });
   m.def("_stream_run_depth", &StreamRun::thread_run_depth);
+  // CUDAGraphModule's capture stream as (stream_id, device_index,
+  // device_type), the arguments of torch.cuda.Stream.
+  m.def(
+      "_capture_stream",
+      [](const std::string& device) {
+        const c10::Stream s = StreamPool::capture_stream(c10::Device(device));
+        return py::make_tuple(
+            s.id(),
+            static_cast<int64_t>(s.device_index()),
+            static_cast<int64_t>(s.device_type()));
+      },
+      py::arg("device"));
   m.def(
       "_stream_abort_runs", &StreamRun::abort_thread_runs, py::arg("depth"));
 }

@@ -67,10 +67,10 @@ c10::Stream staging_stream(const c10::Device& device, int64_t stream_id) {
   if (device.is_cpu() || stream_id == 0) {
     return impl.getStream(device);
   }
-  // The device's one pool, shared with multi-stream execution: streams are
-  // taken once per process, never per stage or per epoch (a stream per
-  // epoch strands the caching allocator's per-stream blocks: timm #2781).
-  return StreamPool::side_streams(device, stream_id + 1).at(stream_id - 1);
+  // Staging streams of their own, taken once per process, never per stage
+  // or per epoch (a stream per epoch strands the caching allocator's
+  // per-stream blocks: timm #2781), and never a multi-stream side stream.
+  return StreamPool::staging_stream(device, stream_id);
 }
 
 } // namespace

@@ -27,8 +27,9 @@
 //
 // Streams: stream_id 0 is the stream that was current on the thread that
 // built the stager (the consumer's, when a stage starts lazily on first
-// take); ids >= 1 are the device's StreamPool side streams, the same pool
-// multi-stream execution uses (never a new stream per epoch or per call).
+// take); ids >= 1 are StreamPool's staging streams (high priority, held for
+// the process, never a new stream per epoch or per call), which no
+// multi-stream plan or capture uses.
 //
 // Threads: stage() may be called from several producer threads at once; the
 // free list has its own lock. hand_over() is static and thread-safe.

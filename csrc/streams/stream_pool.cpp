@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 
@@ -14,6 +15,8 @@ namespace {
 
 struct DeviceState {
   std::vector<c10::Stream> side; // guarded by Registry::mutex
+  std::vector<c10::Stream> staging; // guarded by Registry::mutex
+  std::optional<c10::Stream> capture; // guarded by Registry::mutex
   std::vector<c10::Event> free_events; // guarded by Registry::mutex
 };
 
@@ -77,6 +80,70 @@ std::vector<c10::Stream> StreamPool::side_streams(
     }
   }
   return {held.begin(), held.begin() + static_cast<std::ptrdiff_t>(wanted)};
+}
+
+c10::Stream StreamPool::staging_stream(c10::Device device, int64_t stream_id) {
+  TORCH_CHECK_VALUE(
+      stream_id >= 1 && stream_id < kMaxStreams,
+      "staging stream id must be in 1..",
+      kMaxStreams - 1,
+      ", got ",
+      stream_id);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  DeviceState& state = r.devices[device];
+  auto& held = state.staging;
+  const size_t wanted = static_cast<size_t>(stream_id);
+  if (held.size() < wanted) {
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    while (held.size() < wanted) {
+      bool added = false;
+      for (int64_t attempt = 0; attempt <= kMaxStreams && !added; ++attempt) {
+        const c10::Stream s =
+            impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+        if (std::find(held.begin(), held.end(), s) == held.end() &&
+            s != state.capture) {
+          held.push_back(s);
+          added = true;
+        }
+      }
+      TORCH_CHECK(
+          added,
+          "staging stream ",
+          stream_id,
+          " needs ",
+          wanted,
+          " distinct high-priority streams on ",
+          device,
+          ", but its stream pool gives only ",
+          held.size());
+    }
+  }
+  return held[wanted - 1];
+}
+
+c10::Stream StreamPool::capture_stream(c10::Device device) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  DeviceState& state = r.devices[device];
+  if (!state.capture) {
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    for (int64_t attempt = 0; attempt <= kMaxStreams; ++attempt) {
+      const c10::Stream s =
+          impl.getStreamFromGlobalPool(device, /*isHighPriority=*/true);
+      if (std::find(state.staging.begin(), state.staging.end(), s) ==
+          state.staging.end()) {
+        state.capture = s;
+        break;
+      }
+    }
+    TORCH_CHECK(
+        state.capture.has_value(),
+        "no high-priority stream of ",
+        device,
+        " is free for CUDA graph capture: staging holds all of them");
+  }
+  return *state.capture;
 }
 
 std::vector<c10::Event> StreamPool::acquire_events(

@@ -48,6 +48,20 @@ class StreamPool {
       c10::Device device,
       int64_t num_streams);
 
+  // Staging stream `stream_id` (>= 1) of `device`: a high-priority stream of
+  // the device's pool, held for the process and distinct from every other
+  // staging stream. Never a side stream (those come from the low-priority
+  // pool), so no multi-stream plan and no capture of one pulls staging
+  // copies in, and the caching allocator never hands staging a block that
+  // compute freed onto a side stream (gpu-review #2, #7). c10::ValueError
+  // for ids outside 1..kMaxStreams-1.
+  static c10::Stream staging_stream(c10::Device device, int64_t stream_id);
+
+  // The stream CUDAGraphModule captures on: high priority, held for the
+  // process, distinct from every staging stream (a capture would pull in
+  // the staging copies queued on it).
+  static c10::Stream capture_stream(c10::Device device);
+
   // `count` events for `device`, reused from earlier runs when possible
   // (their native events already exist). Give them back with
   // release_events when no stream op will use them again; a record or wait

@@ -38,9 +38,14 @@ class FakeGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     std::lock_guard<std::mutex> lock(mutex_);
     return stream(d.index(), current_[d.index()]);
   }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+  // Two pools, as CUDA's: low priority (ids 100..) and high (ids 200..),
+  // each handed out round robin.
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high) const override {
     std::lock_guard<std::mutex> lock(mutex_);
     const int size = pool_size_.count(d.index()) ? pool_size_[d.index()] : 32;
+    if (high) {
+      return stream(d.index(), 200 + next_high_[d.index()]++ % size);
+    }
     const int k = next_[d.index()]++ % size;
     return stream(d.index(), 100 + k);
   }
@@ -108,6 +113,7 @@ class FakeGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   mutable std::mutex mutex_;
   mutable std::map<c10::DeviceIndex, int64_t> current_; // guarded by mutex_
   mutable std::map<c10::DeviceIndex, int> next_; // guarded by mutex_
+  mutable std::map<c10::DeviceIndex, int> next_high_; // guarded by mutex_
   mutable std::map<c10::DeviceIndex, int> pool_size_; // guarded by mutex_
   mutable std::vector<std::string> log_; // guarded by mutex_
   mutable intptr_t events_created_ = 0; // guarded by mutex_

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -257,6 +258,37 @@ TEST(StreamPool, RefusesMoreStreamsThanThePoolGivesWithoutAliasing) {
       error_of([&] { StreamPool::side_streams(device, 5); }),
       "needs 4 side streams on privateuseone:4, but its stream pool gives "
       "only 3 distinct streams; use num_streams <= 4"));
+}
+
+} // namespace
+} // namespace torch_stage
+
+namespace torch_stage {
+namespace {
+
+// gpu-review #2, #7: staging copies must never share a stream with a
+// multi-stream plan or a CUDA graph capture.
+TEST(StreamPool, StagingStreamsAreTheirOwn) {
+  const auto device = test_util::fake_device(3);
+  const auto side = StreamPool::side_streams(device, 8);
+  const c10::Stream capture = StreamPool::capture_stream(device);
+  std::vector<c10::Stream> staging;
+  for (int64_t k = 1; k <= 4; ++k) {
+    staging.push_back(StreamPool::staging_stream(device, k));
+    EXPECT_EQ(StreamPool::staging_stream(device, k), staging.back());
+  }
+  for (size_t i = 0; i < staging.size(); ++i) {
+    EXPECT_NE(staging[i], capture);
+    EXPECT_EQ(std::count(side.begin(), side.end(), staging[i]), 0);
+    for (size_t j = 0; j < i; ++j) {
+      EXPECT_NE(staging[i], staging[j]);
+    }
+  }
+  EXPECT_EQ(std::count(side.begin(), side.end(), capture), 0);
+  EXPECT_EQ(StreamPool::capture_stream(device), capture);
+  EXPECT_TRUE(test_util::contains(
+      test_util::error_of([&] { StreamPool::staging_stream(device, 0); }),
+      "staging stream id must be in 1..31, got 0"));
 }
 
 } // namespace

@@ -203,7 +203,7 @@ def staged(
     ignored_exception_types=(),
     use_stage_subgraph_thread_pool: bool = False,
     stage_subgraph_thread_pool_id: int = 0,
-    stage_subgraph_stream_id: int = 0,
+    stage_subgraph_stream_id: int = 1,
     name: Optional[str] = None,
     feed_dict: Optional[dict] = None,
     device=None,
@@ -245,9 +245,12 @@ def staged(
         stage_subgraph_thread_pool_id: ...this one (the id it returned).
             Otherwise producers use the default settings: one intra-op thread
             each, named ``torch_stage:<name>:<i>``.
-        stage_subgraph_stream_id: with ``device``, the pool stream the copies
-            run on; 0 is the consumer's current stream. Consumers' streams
-            always wait for the copy before they get the item.
+        stage_subgraph_stream_id: with ``device``, the staging stream the
+            copies run on (1..31: torch_stage's own staging streams, which
+            no multi-stream plan or CUDA graph capture uses), or 0 for the
+            consumer's current stream, which queues each copy behind the
+            consumer's compute (no overlap). Consumers' streams always wait
+            for the copy before they get the item.
         name: the stage's name, in errors, thread names and profiler ranges.
         feed_dict: keyword arguments for a callable source.
         device: copy items' tensors to this device (pinned, fused, reused host

@@ -141,3 +141,28 @@ def test_reduce_overhead_mode_means_cuda_graphs():
     compiled = torch.compile(module, backend=torch_stage.backend(cuda_graphs=True))
     with pytest.raises(Exception, match="replays inference only"):
         compiled(x.requires_grad_())
+
+
+@pytest.mark.cuda
+def test_replays_from_two_caller_streams_do_not_share_static_buffers_unordered():
+    # gpu-review #3: call 1 on s1 (delayed by a sleep), call 2 on s2 at once.
+    # Without ordering, call 2 overwrites the static input while replay 1
+    # still waits to read it, and call 1 returns call 2's result.
+    entry = ENTRIES["inception"]
+    module = build(entry, "cuda").eval()
+    graphed = torch_stage.multi_stream(module, num_streams=4, cuda_graphs=True, warmup=1)
+    (x1,) = entry.inputs(16, "cuda")
+    x2 = x1 + 1.0
+    s1, s2 = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
+    with torch.no_grad():
+        graphed(x1)  # capture
+        torch.cuda.synchronize()
+        for _ in range(10):
+            with torch.cuda.stream(s1):
+                torch.cuda._sleep(10**8)
+                o1 = graphed(x1)
+            with torch.cuda.stream(s2):
+                o2 = graphed(x2)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(o1, module(x1), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(o2, module(x2), rtol=1e-5, atol=1e-6)

@@ -427,9 +427,7 @@ def test_staging_never_reuses_memory_that_multi_stream_training_freed():
         yield torch.randn(4, 16)
 
     with torch_stage.sanitize_streams() as sanitizer:
-        stage = torch_stage.staged(
-            source(), device="cpu", stage_subgraph_stream_id=1, capacity=1
-        )
+        stage = torch_stage.staged(source(), device="cpu", stage_subgraph_stream_id=1, capacity=1)
         for batch in stage:
             model(batch).sum().backward()
             opt.step()

@@ -48,7 +48,7 @@ uses the ``"thread_local"`` error mode (staging threads keep copying).
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -91,11 +91,15 @@ def _is_static(t: torch.Tensor) -> bool:
 class _Captured:
     """One captured graph: its static inputs and outputs."""
 
-    def __init__(self, graph, static_leaves: List[Any], copied: List[int], outputs: Any):
+    def __init__(self, graph, static_leaves: List[Any], copied: List[int], outputs: Any, device):
         self.graph = graph
         self.static_leaves = static_leaves
         self.copied = copied
         self.outputs = outputs
+        self.device = device
+        # Recorded on the last call's stream after its output clones.
+        self.done: Optional[torch.cuda.Event] = None
+        self.done_stream: Optional[torch.cuda.Stream] = None
 
 
 class CUDAGraphModule(torch.nn.Module):
@@ -142,12 +146,27 @@ class CUDAGraphModule(torch.nn.Module):
             if captured is None:
                 captured = self._capture(leaves, spec)
                 self._graphs[key] = captured
+            # The lock orders the host calls only. A call from another
+            # stream (a second serving thread, or one thread switching
+            # streams) would overwrite the static inputs while the previous
+            # replay still reads them, or replay while the previous call's
+            # clones still read the outputs (gpu-review #3): each call's
+            # stream waits for the end of the previous call.
+            device = captured.device
+            stream = torch.cuda.current_stream(device)
+            if captured.done is not None and captured.done_stream != stream:
+                stream.wait_event(captured.done)
             for i in captured.copied:
                 captured.static_leaves[i].copy_(leaves[i])
             captured.graph.replay()
-            return pytree.tree_map(
+            out = pytree.tree_map(
                 lambda v: v.clone() if isinstance(v, torch.Tensor) else v, captured.outputs
             )
+            if captured.done is None:
+                captured.done = torch.cuda.Event()
+            captured.done.record(stream)
+            captured.done_stream = stream
+            return out
 
     def _signature(self, position: int, leaf: Any) -> tuple:
         if isinstance(leaf, torch.Tensor):
@@ -236,7 +255,7 @@ class CUDAGraphModule(torch.nn.Module):
         # module returns, i.e. before capture ends.
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             outputs = self.module(*args, **kwargs)
-        return _Captured(graph, static_leaves, copied, outputs)
+        return _Captured(graph, static_leaves, copied, outputs, device)
 
     def extra_repr(self) -> str:
         return f"warmup={self.warmup}, graphs={self.num_graphs}"

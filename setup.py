@@ -107,7 +107,11 @@ class BuildExtension(cpp_extension.BuildExtension):
     def run(self):
         # Editable installs build in a fresh temporary folder each time; a
         # fixed object folder lets ninja recompile only what changed.
-        self.build_temp = os.path.join(ROOT, "build", "temp")
+        # TORCH_STAGE_BUILD_TEMP: another folder for a build against another
+        # torch (the zoo's venv), whose objects must not mix with these.
+        self.build_temp = os.environ.get(
+            "TORCH_STAGE_BUILD_TEMP", os.path.join(ROOT, "build", "temp")
+        )
         super().run()
 
     def get_ext_filename(self, fullname):

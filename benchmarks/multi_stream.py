@@ -19,6 +19,9 @@
   nothing, so ``cpu_ms`` (wall clock, same method) measures only what is
   meaningful there: the host overhead of the stream ops, of Dynamo, and
   inductor's CPU code. The CUDA graph variants are reported as skipped.
+* ``sanitizer``: host time per forward of each rewritten zoo model with and
+  without ``torch_stage.sanitize_streams`` (with and without Python stacks
+  per access), and the slowdown: the price of checking a plan.
 * ``planning``: time of the C++ scheduler (``torch.ops.torch_stage.
   plan_streams``, the sync plan included) per strategy on layered random
   DAGs of 100, 1,000 and 10,000 nodes, and of the whole FX pass (analysis,
@@ -153,6 +156,39 @@ def bench_models(device, batch, iters, inductor):
     return results
 
 
+def bench_sanitizer(batch, iters):
+    """Host time per forward of each rewritten zoo model, with and without
+    torch_stage.sanitize_streams (a debugging tool: every op goes through a
+    Python dispatch mode), measured in the same run on CPU."""
+    rows = []
+    for entry in zoo.ZOO:
+        module = zoo.build(entry, "cpu").eval()
+        inputs = entry.inputs(max(batch, entry.min_batch), "cpu")
+        rewritten = torch_stage.multi_stream(module, num_streams=NUM_STREAMS)
+        with torch.no_grad():
+            _cpu_ms(rewritten, inputs, 5)
+            plain = _cpu_ms(rewritten, inputs, iters)
+            with torch_stage.sanitize_streams(stacks=False) as sanitizer:
+                _cpu_ms(rewritten, inputs, 2)
+                fast = _cpu_ms(rewritten, inputs, iters)
+            with torch_stage.sanitize_streams() as sanitizer:
+                _cpu_ms(rewritten, inputs, 2)
+                full = _cpu_ms(rewritten, inputs, iters)
+        rows.append(
+            {
+                "model": entry.name,
+                "ops_per_forward": sanitizer.ops_seen // (iters + 2),
+                "cpu_ms": round(plain, 4),
+                "sanitized_cpu_ms": round(full, 4),
+                "sanitized_no_stacks_cpu_ms": round(fast, 4),
+                "slowdown": round(full / plain, 1),
+                "slowdown_no_stacks": round(fast / plain, 1),
+                "races": len(sanitizer.races),
+            }
+        )
+    return rows
+
+
 def layered_dag(n, seed=0, width=8):
     """Edges of a layered DAG like a network's: each node reads one to three
     nodes of the two previous layers."""
@@ -243,6 +279,7 @@ def main() -> int:
         else platform.processor() or "cpu",
         "num_streams": NUM_STREAMS,
         "models": bench_models(device, args.batch, args.iters, not args.no_inductor),
+        "sanitizer": bench_sanitizer(args.batch, args.iters),
         "planning": [],
     }
     if device == "cpu":

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 import zoo
+from stream_oracle import data_conflict_expected
 
 import torch_stage
 from torch_stage.fx import _ops
-from torch_stage.fx.cost_model import is_view
 
 ops = torch.ops.torch_stage
 
@@ -285,56 +285,6 @@ def test_rewritten_zoo_models_are_race_free_in_eval_and_training(name, strategy)
         assert sanitizer.races == []
 
 
-def _data_conflict_expected(gm, removed):
-    """Whether removing wait node ``removed`` leaves a data dependency
-    between two streams unordered: an oracle from the graph's data edges
-    and the remaining stream ops, independent of the sanitizer."""
-    stream = 0
-    pos = {}  # stream -> ops issued so far
-    clocks = {0: {0: 0}}
-    events = {}
-    made = {}  # node -> (stream, position on it)
-    fork = None
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is ops.fork:
-            fork = n
-            for s in n.args[1]:
-                clocks[s] = dict(clocks[0])
-            continue
-        if n.op == "call_function" and n.target is _ops.set_stream:
-            stream = n.args[1]
-            clocks.setdefault(stream, {stream: 0})
-            continue
-        if n.op == "call_function" and n.target is _ops.record_event:
-            events[n.args[1]] = dict(clocks[n.args[2]])
-            continue
-        if n.op == "call_function" and n.target is _ops.wait_event:
-            if n is not removed:
-                for s, v in events[n.args[1]].items():
-                    c = clocks[n.args[2]]
-                    c[s] = max(c.get(s, 0), v)
-            continue
-        if n.op != "call_function" and n.op != "call_module" and n.op != "call_method":
-            continue
-        if n.target in _ops.STREAM_OPS or n is fork:
-            continue
-        if is_view(n):
-            # No kernel: the view is made where its base was.
-            base = n.args[0] if n.args else None
-            if base in made:
-                made[n] = made[base]
-            continue
-        pos[stream] = pos.get(stream, 0) + 1
-        clocks[stream][stream] = pos[stream]
-        for arg in n.all_input_nodes:
-            if arg in made:
-                s, p = made[arg]
-                if s != stream and clocks[stream].get(s, 0) < p:
-                    return True
-        made[n] = (stream, pos[stream])
-    return False
-
-
 @pytest.mark.parametrize("name", ["two_tower", "inception", "rec_8_towers"])
 def test_every_wait_removal_that_breaks_a_dependency_is_reported(name):
     entry = _entry(name)
@@ -345,7 +295,7 @@ def test_every_wait_removal_that_breaks_a_dependency_is_reported(name):
     for name_ in waits:
         mutant = copy.deepcopy(model)
         node = next(n for n in mutant.graph.nodes if n.name == name_)
-        conflict = _data_conflict_expected(mutant, node)
+        conflict = data_conflict_expected(mutant, node)
         mutant.graph.erase_node(node)
         mutant.recompile()
         with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:

@@ -1,0 +1,157 @@
+"""Multi-stream on real models: torchvision's classification models, built
+from their configs without weights, rewritten by torch_stage.multi_stream and
+run under the stream sanitizer.
+
+Needs torchvision, which must match the pinned torch: `make zoo` makes a
+venv of its own for it (torch 2.14.1 + torchvision 0.29.1: PyPI's
+torchvision does not load beside the CPU build of torch 2.13 that `make
+test` uses), installs torch_stage there and runs this module. Without
+torchvision it is skipped.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+torchvision = pytest.importorskip("torchvision")
+
+import torch_stage  # noqa: E402
+from torch_stage.fx import _ops  # noqa: E402
+
+# The smallest model of each family (the large ones repeat the same blocks),
+# with the input size it accepts.
+MODELS = {
+    "alexnet": 64,
+    "convnext_tiny": 64,
+    "densenet121": 64,
+    "efficientnet_b0": 64,
+    "efficientnet_v2_s": 64,
+    "googlenet": 64,
+    "inception_v3": 80,
+    "maxvit_t": 224,
+    "mnasnet0_5": 64,
+    "mobilenet_v2": 64,
+    "mobilenet_v3_small": 64,
+    "regnet_x_400mf": 64,
+    "regnet_y_400mf": 64,
+    "resnet18": 64,
+    "resnext50_32x4d": 64,
+    "shufflenet_v2_x0_5": 64,
+    "squeezenet1_0": 64,
+    "swin_t": 64,
+    "swin_v2_t": 64,
+    "vgg11_bn": 64,
+    "vit_b_32": 224,
+    "wide_resnet50_2": 64,
+}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    kwargs = {"weights": None}
+    if name in ("googlenet", "inception_v3"):
+        kwargs.update(aux_logits=False, init_weights=False)
+    return torchvision.models.get_model(name, **kwargs)
+
+
+def _input(name, batch=2):
+    size = MODELS[name]
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def rewritten():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = _build(name).eval()
+            cache[name] = (model, torch_stage.multi_stream(copy.deepcopy(model), num_streams=4))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_eval_is_race_free_and_bit_identical(name, rewritten):
+    model, ms = rewritten(name)
+    x = _input(name)
+    with torch.no_grad():
+        expected = model(x)
+        with torch_stage.sanitize_streams() as sanitizer:
+            got = ms(x)
+    assert sanitizer.races == []
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_training_step_is_race_free_and_equals_eager(name, rewritten):
+    model, _ = rewritten(name)
+    eager = copy.deepcopy(model).train()
+    ms = torch_stage.multi_stream(copy.deepcopy(model).train(), num_streams=4)
+    x = _input(name)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (eager, ms)]
+    torch.manual_seed(2)
+    eager(x).logsumexp(1).sum().backward()
+    opts[0].step()
+    torch.manual_seed(2)
+    with torch_stage.sanitize_streams() as sanitizer:
+        ms(x).logsumexp(1).sum().backward()
+        opts[1].step()
+    assert sanitizer.races == []
+    for (k, a), (_, b) in zip(eager.state_dict().items(), ms.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=k)  # BatchNorm running stats too
+
+
+def test_plans_look_like_what_an_expert_would_write(rewritten):
+    plan = rewritten("alexnet")[1].stream_plan
+    assert (len(plan.streams_used), len(plan.events)) == (1, 0)  # a chain
+    plan = rewritten("vgg11_bn")[1].stream_plan
+    assert (len(plan.streams_used), len(plan.events)) == (1, 0)
+    plan = rewritten("googlenet")[1].stream_plan
+    assert len(plan.streams_used) == 4  # inception branches spread over the pool
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_scripts_saves_and_loads_when_eager_scripts(name, rewritten, tmp_path):
+    model, ms = rewritten(name)
+    try:
+        torch.jit.script(model)
+    except Exception as e:  # noqa: BLE001  the model itself does not script
+        pytest.skip(f"{name} does not script in eager either: {type(e).__name__}")
+    scripted = torch.jit.script(ms)
+    path = os.path.join(tmp_path, f"{name}.pt")
+    scripted.save(path)
+    loaded = torch.jit.load(path)
+    x = _input(name)
+    with torch.no_grad():
+        with torch_stage.sanitize_streams() as sanitizer:
+            got = loaded(x)
+        assert sanitizer.races == []
+        assert torch.equal(got, model(x))
+
+
+def _remove(gm, name):
+    mutant = copy.deepcopy(gm)
+    mutant.graph.erase_node(next(n for n in mutant.graph.nodes if n.name == name))
+    mutant.recompile()
+    return mutant
+
+
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
+def test_every_wait_removal_is_reported(name, rewritten):
+    # Each wait of a pruned plan orders a dependency nothing else orders, so
+    # removing any one of them must show up as a race on real data.
+    _, ms = rewritten(name)
+    waits = [n.name for n in ms.graph.nodes if n.target is _ops.wait_event]
+    assert len(waits) >= 8
+    x = _input(name)
+    missed = []
+    for w in waits:
+        with torch.no_grad(), torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
+            _remove(ms, w)(x)
+        if not sanitizer.races:
+            missed.append(w)
+    assert missed == []

@@ -8,6 +8,8 @@
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
 #   make asan    the same under AddressSanitizer (+ UndefinedBehaviorSanitizer)
 #   make bench   the benchmarks (JSON on stdout)
+#   make zoo     multi-stream on torchvision's models under the stream
+#                sanitizer, in a venv of its own (torch 2.14.1 + torchvision)
 #
 # Set-up is part of every target: a .venv with TORCH_SPEC and the test
 # dependencies, and GoogleTest and zlib (Debian's libgtest-dev, zlib1g-dev)
@@ -38,7 +40,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench clean distclean
+.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench zoo clean distclean
 
 all: test
 
@@ -108,6 +110,33 @@ bench: build
 	$(PY) benchmarks/record_pipeline.py
 	$(PY) benchmarks/multi_stream.py
 
+# The torchvision zoo (tests/zoo_torchvision). PyPI's torchvision does not
+# load beside the CPU build of torch 2.13 that the main venv pins, so the zoo
+# has a venv of its own with a torch/torchvision pair that loads together,
+# torch_stage installed into it (not in place: its objects are built against
+# that torch, in a build folder of their own), and runs from outside the
+# source tree's package.
+ZOO_VENV ?= .venv-zoo
+ZOO_TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+ZOO_PY := $(ZOO_VENV)/bin/python
+ZOO_STAMP := $(ZOO_VENV)/.deps-stamp
+ZOO_EXT_STAMP := $(BUILD)/.zoo-ext-stamp
+
+$(ZOO_STAMP): requirements-dev.txt
+	@test -x $(ZOO_PY) || { echo "creating $(ZOO_VENV)"; $(PYTHON) -m venv $(ZOO_VENV); }
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check $(ZOO_TORCH_SPEC)
+	$(ZOO_PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt $(ZOO_TORCH_SPEC)
+	@echo "$(ZOO_TORCH_SPEC)" > $@
+
+$(ZOO_EXT_STAMP): $(ZOO_STAMP) $(EXT_SOURCES) $(shell find torch_stage -name '*.py')
+	TORCH_STAGE_BUILD_TEMP=$(abspath $(BUILD))/zoo-temp \
+	  $(ZOO_PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+	@mkdir -p $(BUILD) && touch $@
+
+zoo: gtest $(ZOO_EXT_STAMP)
+	cd tests && ../$(ZOO_VENV)/bin/python -m pytest -p no:cacheprovider --rootdir=.. \
+	  -c ../pyproject.toml zoo_torchvision $(PYTEST_ARGS)
+
 PY_FILES := setup.py torch_stage tests benchmarks examples
 
 lint: venv
@@ -142,4 +171,4 @@ clean:
 	rm -rf $(BUILD) torch_stage/lib torch_stage/*.so
 
 distclean: clean
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(ZOO_VENV) *.egg-info

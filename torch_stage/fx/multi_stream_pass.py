@@ -116,6 +116,7 @@ class MultiStreamPass:
             raise self._trace_error(name, exc) from exc
         except Exception as exc:
             raise self._trace_error(name, exc) from exc
+        _drop_unmet_return_type(graph)
         return torch.fx.GraphModule(tracer.root, graph, name)
 
     def _trace_error(self, name: str, exc: Exception) -> MultiStreamTraceError:
@@ -159,6 +160,26 @@ class MultiStreamPass:
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
+
+
+def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:
+    """Forget forward's return annotation when the traced graph does not
+    build it.
+
+    torchvision's GoogLeNet and Inception3 annotate forward with their
+    NamedTuple outputs, which they build only on the scripted training path
+    with aux logits; tracing takes the eager path, which returns a tensor,
+    and the graph keeps the annotation, so TorchScript rejects the result
+    ("Return value was annotated as having type GoogLeNetOutputs but is
+    actually of type Tensor"). Without it TorchScript infers the type.
+    """
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    annotation = getattr(out, "type", None)
+    if not (isinstance(annotation, type) and issubclass(annotation, tuple)):
+        return
+    value = out.args[0] if out.args else None
+    if not (isinstance(value, torch.fx.Node) and value.target is annotation):
+        out.type = None
 
 
 class MultiStreamGraphModule(torch.fx.GraphModule):

@@ -54,6 +54,30 @@ class _SkippingSampler:
         return len(self._sampler)
 
 
+class _Skipping:
+    """An iterable dataset's epoch without the batches a resumed epoch
+    already had. Not itertools.islice: it ends for good at the first error,
+    where the plain DataLoader goes on."""
+
+    def __init__(self, it, skip: int):
+        self._it = it
+        self._skip = skip
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self._skip:
+            self._skip -= 1
+            try:
+                next(self._it)
+            except StopIteration:
+                raise
+            except Exception:  # noqa: BLE001, S110 (the interrupted run raised it already)
+                pass
+        return next(self._it)
+
+
 # --- Warnings raised while a batch is produced -------------------------------
 #
 # The plain DataLoader raises the warnings of a batch (the IterableDataset
@@ -149,6 +173,9 @@ class _Epoch:
         self.pulled = 0
         self.warnings: dict = {}  # index -> records, for staged batches
         self.error: Optional[tuple] = None  # (exception, records) ending a run
+        # The plain iterator whose worker processes the epoch owns (not
+        # persistent ones: the loader keeps those).
+        self.workers = None
 
     def pull(self, records: list):
         """The plain iterator's next batch, recording its warnings."""
@@ -369,9 +396,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                 base = self._get_iterator()
         finally:
             self._prepared = None
+        plain = base
         if not map_style and skip:
-            base = itertools.islice(base, skip, None)
-        return base
+            base = _Skipping(base, skip)
+        return base, plain
 
     def _known_batches(self, skip: int) -> Optional[int]:
         if isinstance(self.dataset, torch.utils.data.IterableDataset):
@@ -401,7 +429,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             "generator_state": None if self.generator is None else self.generator.get_state(),
             "consumed": skip,
         }
-        epoch = _Epoch(self._base_iterator(skip), self._known_batches(skip))
+        base, plain = self._base_iterator(skip)
+        epoch = _Epoch(base, self._known_batches(skip))
+        if not (self.persistent_workers and self.num_workers > 0):
+            epoch.workers = plain
         it = _LoaderIter(self, epoch, self._epoch)
         self._current = weakref.ref(it)
         return it
@@ -515,7 +546,13 @@ class _LoaderIter:
             exc, records = error
             self._count()
             _reemit(records)
-            raise exc
+            try:
+                raise exc
+            finally:
+                # The traceback holds this frame: a local naming the
+                # exception would be a cycle keeping the iterator (and its
+                # threads and workers) alive until the garbage collector runs.
+                exc = error = None
         records = epoch.warnings.pop(index, None)
         if records:
             _reemit(records)
@@ -544,8 +581,14 @@ class _LoaderIter:
         """Stop the staging threads and, unless persistent, the workers."""
         self._done = True
         self._close_stage()
-        # Persistent workers belong to the loader, which keeps them.
+        workers, self._epoch.workers = self._epoch.workers, None
         self._epoch.base = None
+        # Not left to the plain iterator's __del__: a batch's exception
+        # keeps it alive in its traceback's frames until the garbage
+        # collector runs, and that shutdown waits 5 s per worker.
+        shutdown = getattr(workers, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def __del__(self):
         if "_epoch" in self.__dict__:

@@ -253,6 +253,19 @@ def test_a_dataset_warning_comes_with_its_batch(make, odd):
 
 
 @timeout
+@pytest.mark.parametrize("odd", [1, 7])
+def test_a_warning_made_an_error_raises_for_its_batch(make, odd):
+    def run(made):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return outcomes(iter(made), 6)
+
+    expected = run(PLAIN(Warning7(odd), batch_size=3))
+    assert run(make(Warning7(odd), batch_size=3)) == expected
+    assert [o[0] for o in expected].count("batch") == 3
+
+
+@timeout
 def test_warnings_on_other_threads_are_untouched(cls):
     # A loader reading ahead must not catch the training loop's warnings.
     it = iter(loader(cls, Warning7(), batch_size=3))

@@ -526,7 +526,8 @@ class _LoaderIter:
                 self._count()
                 _reemit(records)
                 raise
-            _reemit(records)
+            if records:
+                epoch.warnings[index] = records
             self._run = _Run(epoch)
             self._stage = self._loader._make_stage(self._run.source(batch))
             self._stage_iter = iter(self._stage)
@@ -554,9 +555,11 @@ class _LoaderIter:
                 # threads and workers) alive until the garbage collector runs.
                 exc = error = None
         records = epoch.warnings.pop(index, None)
+        # Counted first: under an "error" filter the warning raises instead
+        # of the batch, which the plain DataLoader has then used up too.
+        self._count()
         if records:
             _reemit(records)
-        self._count()
         return batch
 
     def _count(self) -> None:

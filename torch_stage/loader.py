@@ -255,7 +255,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             consumer's current stream). The consumer's stream waits for each
             copy before the batch is handed over.
         transform: per-batch work run on the staging threads, before the
-            copy to ``device``.
+            copy to ``device``. An exception from it is raised for its batch
+            and ends the epoch (``StageError`` on the next ``next()``), as
+            with ``staged()``.
         timeout_millis: how long the training loop waits for a batch before
             ``StageTimeoutError`` (the plain ``timeout`` still bounds workers).
         name: the stage's name (errors, thread names, profiler ranges);
@@ -408,7 +410,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             return None
         try:
             return max(len(super()._index_sampler) - skip, 0)
-        except TypeError:  # a sampler without len()
+        except (TypeError, NotImplementedError):  # a sampler without len()
             return None
 
     def __iter__(self) -> Iterator[_T_co]:

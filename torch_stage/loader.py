@@ -502,6 +502,7 @@ class _LoaderIter:
         self._run: Optional[_Run] = None
         self._stage: Optional[Stage] = None
         self._stage_iter = None
+        self._last_stats: dict = {}
         self._done = False
 
     def __iter__(self) -> _LoaderIter:
@@ -575,7 +576,7 @@ class _LoaderIter:
             run.stop()
         if stage is not None:
             stage.close()
-            self._loader._last_stats = stage.stats()
+            self._last_stats = self._loader._last_stats = stage.stats()
 
     def _finish(self) -> None:
         if self._loader._epoch is self._state:
@@ -605,4 +606,4 @@ class _LoaderIter:
     def stats(self) -> dict:
         if self._stage is not None:
             return self._stage.stats()
-        return dict(self._loader._last_stats)
+        return dict(self._last_stats)

@@ -157,11 +157,24 @@ def test_resume_an_iterable_dataset():
     assert head + rest == [b.tolist() for b in tud.DataLoader(Counting(30), batch_size=4)]
 
 
-def test_a_new_epoch_closes_the_previous_stage():
+def test_dropping_the_iterator_closes_its_stage():
     loader = torch_stage.DataLoader(Squares(), batch_size=2, capacity=4)
     it = iter(loader)
     next(it)
-    first_stage = loader._stage
+    stage = it._stage
+    del it
+    assert stage._impl.closed
+    assert len(list(loader)) == len(loader)
+
+
+def test_a_new_epoch_with_persistent_workers_closes_the_previous_stage():
+    # Both epochs read the same worker processes.
+    loader = torch_stage.DataLoader(
+        Squares(), batch_size=2, capacity=4, num_workers=1, persistent_workers=True
+    )
+    it = iter(loader)
+    next(it)
+    first_stage = it._stage
     assert len(list(loader)) == len(loader)
     assert first_stage._impl.closed
 

@@ -9,8 +9,13 @@ batches already on the device.
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from typing import Any, Callable, Iterator, Optional
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 import torch.utils.data
@@ -20,6 +25,10 @@ from torch_stage.stage import Stage, staged
 __all__ = ["DataLoader"]
 
 _STATE_VERSION = 1
+_T_co = TypeVar("_T_co", covariant=True)
+# torch 2.5 has no in_order; newer ones do. Accept it everywhere, and only
+# pass it on where the plain DataLoader knows it.
+_PLAIN_HAS_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoader).parameters
 
 
 class _SkippingSampler:
@@ -45,14 +54,195 @@ class _SkippingSampler:
         return len(self._sampler)
 
 
-class DataLoader(torch.utils.data.DataLoader):
+class _Skipping:
+    """An iterable dataset's epoch without the batches a resumed epoch
+    already had. Not itertools.islice: it ends for good at the first error,
+    where the plain DataLoader goes on."""
+
+    def __init__(self, it, skip: int):
+        self._it = it
+        self._skip = skip
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self._skip:
+            self._skip -= 1
+            try:
+                next(self._it)
+            except StopIteration:
+                raise
+            except Exception:  # noqa: BLE001, S110 (the interrupted run raised it already)
+                pass
+        return next(self._it)
+
+
+# --- Warnings raised while a batch is produced -------------------------------
+#
+# The plain DataLoader raises the warnings of a batch (the IterableDataset
+# length warning, a dataset's or collate_fn's own warnings) in the consumer's
+# next(), where the caller's warning filters and catch_warnings() apply. Here
+# batches are produced on staging threads, so their warnings are recorded
+# there and raised again in the consumer's next() for that batch.
+#
+# warnings.catch_warnings() cannot record them: it swaps the warnings
+# module's process-wide state, so a staging thread entering and leaving it
+# would race with the consumer's own catch_warnings() (and could leave the
+# consumer's recording context installed forever). Instead warnings.warn is
+# wrapped once, and records only on a thread that is producing a batch; on
+# every other thread it is the plain warnings.warn. Warnings raised from C
+# (PyErr_WarnEx) or through warnings.warn_explicit are not recorded and
+# still appear on the staging thread.
+
+_recording = threading.local()
+_install_lock = threading.Lock()
+_plain_warn: Optional[Callable] = None
+
+
+def _install_warning_recorder() -> None:
+    global _plain_warn
+    with _install_lock:
+        if _plain_warn is None:
+            _plain_warn = warnings.warn
+            warnings.warn = _warn
+
+
+def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
+    records = getattr(_recording, "records", None)
+    if records is None:
+        # One more level: this wrapper's own frame.
+        return _plain_warn(message, category, stacklevel + 1, source, **kwargs)
+    if isinstance(message, Warning):
+        category = type(message)
+    elif category is None:
+        category = UserWarning
+    frame = sys._getframe(1)
+    for _ in range(max(stacklevel, 1) - 1):
+        if frame is None:
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename == __file__:
+        # Aimed at whoever called the plain iterator's next(): that is the
+        # consumer's caller in the plain DataLoader.
+        records.append((message, category, None))
+    else:
+        records.append(
+            (message, category, (frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+        )
+    return None
+
+
+def _reemit(records) -> None:
+    """Raise recorded warnings again; call it directly from ``__next__``."""
+    for message, category, where in records:
+        if where is None:
+            # Levels: _reemit, __next__, the consumer's caller.
+            _plain_warn(message, category, stacklevel=3)
+        else:
+            filename, lineno, module_globals = where
+            warnings.warn_explicit(
+                message,
+                category,
+                filename,
+                lineno,
+                module=module_globals.get("__name__", "<string>"),
+                registry=module_globals.setdefault("__warningregistry__", {}),
+                module_globals=module_globals,
+            )
+
+
+# --- An epoch ----------------------------------------------------------------
+
+
+class _Epoch:
+    """The plain iterator of an epoch and what has been pulled from it.
+
+    Shared by the consumer's iterator and the stage sources reading it, and
+    refers to neither: the stage holds its source, so a reference back to the
+    iterator would be a cycle through C++ that the garbage collector cannot
+    see, and dropping the iterator would no longer stop the threads.
+    """
+
+    def __init__(self, base, known: Optional[int]):
+        self.base = base
+        # Batches the sampler says are left; None when it has no len().
+        # Staging never pulls beyond them unasked: pulling past the end runs
+        # the sampler again (RandomSampler draws another permutation).
+        self.known = known
+        self.pulled = 0
+        self.warnings: dict = {}  # index -> records, for staged batches
+        self.error: Optional[tuple] = None  # (exception, records) ending a run
+        # The plain iterator whose worker processes the epoch owns (not
+        # persistent ones: the loader keeps those).
+        self.workers = None
+
+    def pull(self, records: list):
+        """The plain iterator's next batch, recording its warnings."""
+        previous = getattr(_recording, "records", None)
+        _recording.records = records
+        try:
+            return next(self.base)
+        finally:
+            _recording.records = previous
+            self.pulled += 1
+
+
+class _Run:
+    """One stage's source: the epoch from a batch the consumer pulled on.
+
+    A batch that raises ends the run (the stage ends cleanly, nothing staged
+    is lost) and the consumer raises it after the batches before it; the
+    consumer's next call pulls the following batch itself and starts a new
+    run, as the plain DataLoader goes on after an error.
+    """
+
+    def __init__(self, epoch: _Epoch):
+        self.epoch = epoch
+        self.demand = threading.Semaphore(0)
+        self.stopped = False
+
+    def source(self, first):
+        yield first
+        epoch = self.epoch
+        while True:
+            if epoch.known is not None and epoch.pulled >= epoch.known:
+                # Past the end the sampler says there is: only when asked.
+                self.demand.acquire()
+                if self.stopped:
+                    return
+            index = epoch.pulled
+            records: list = []
+            try:
+                batch = epoch.pull(records)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
+                epoch.error = (exc, records)
+                return
+            if records:
+                epoch.warnings[index] = records
+            yield batch
+
+    def stop(self) -> None:
+        # A source waiting for demand would hold close() for its join timeout.
+        self.stopped = True
+        self.demand.release()
+
+
+class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches are staged.
 
     Every argument of ``torch.utils.data.DataLoader`` is accepted with the
     same meaning (``num_workers``, ``collate_fn``, ``pin_memory``,
     ``drop_last``, ``persistent_workers``, ``generator``,
-    ``worker_init_fn``, ...). ``len()`` and ``sampler.set_epoch()`` work as
-    before. The staging arguments are keyword-only:
+    ``worker_init_fn``, ``in_order``, ...). ``len()`` and
+    ``sampler.set_epoch()`` work as before; a batch that raises raises in the
+    training loop's ``next()`` and the following ``next()`` goes on, and the
+    warnings of a batch are raised in the ``next()`` that returns it. The
+    staging arguments are keyword-only and kept as attributes of the same
+    names (so a loader rebuilt from its signature and attributes, as
+    PyTorch Lightning does, stages the same way):
 
     Args:
         device: deliver batches on this device (None: where collate_fn put
@@ -65,10 +255,21 @@ class DataLoader(torch.utils.data.DataLoader):
             consumer's current stream). The consumer's stream waits for each
             copy before the batch is handed over.
         transform: per-batch work run on the staging threads, before the
-            copy to ``device``.
+            copy to ``device``. An exception from it is raised for its batch
+            and ends the epoch (``StageError`` on the next ``next()``), as
+            with ``staged()``.
         timeout_millis: how long the training loop waits for a batch before
             ``StageTimeoutError`` (the plain ``timeout`` still bounds workers).
-        name: the stage's name (errors, thread names, profiler ranges).
+        name: the stage's name (errors, thread names, profiler ranges);
+            None: ``"dataloader"``.
+
+    Staging never reads past the number of batches the sampler's ``len()``
+    announces before the training loop asks for them, and the first batch
+    of an epoch is produced in the training loop's ``next()``: the sampler
+    and the random number generators are used as by the plain DataLoader.
+
+    Each iterator owns its staging threads (and, without
+    ``persistent_workers``, its worker processes): dropping it stops them.
 
     ``state_dict()`` / ``load_state_dict()`` resume an epoch where the
     training loop was: batches staged but not yet consumed are not counted,
@@ -97,6 +298,7 @@ class DataLoader(torch.utils.data.DataLoader):
         prefetch_factor: Optional[int] = None,
         persistent_workers: bool = False,
         pin_memory_device: str = "",
+        in_order: bool = True,
         device=None,
         capacity: int = 2,
         num_threads: int = 1,
@@ -108,7 +310,8 @@ class DataLoader(torch.utils.data.DataLoader):
     ):
         # Validate the staging options now, before any thread or worker
         # exists, with the same rules staged() applies.
-        self._stage_options = dict(
+        staged(
+            (),
             capacity=capacity,
             num_threads=num_threads,
             stage_subgraph_stream_id=stage_subgraph_stream_id,
@@ -116,8 +319,14 @@ class DataLoader(torch.utils.data.DataLoader):
             timeout_millis=timeout_millis,
             device=device,
             name=name or "dataloader",
-        )
-        staged((), **self._stage_options).close()
+        ).close()
+        if _PLAIN_HAS_IN_ORDER:
+            loader_kwargs["in_order"] = in_order
+        elif in_order is not True:
+            raise TypeError(
+                f"in_order={in_order!r} needs torch >= 2.6 (this is {torch.__version__}); "
+                "leave it at True"
+            )
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -137,11 +346,34 @@ class DataLoader(torch.utils.data.DataLoader):
             pin_memory_device=pin_memory_device,
             **loader_kwargs,
         )
+        if not _PLAIN_HAS_IN_ORDER:
+            self.in_order = in_order
         self.device = None if device is None else torch.device(device)
-        self._stage: Optional[Stage] = None
+        self.capacity = capacity
+        self.num_threads = num_threads
+        self.stage_subgraph_stream_id = stage_subgraph_stream_id
+        self.transform = transform
+        self.timeout_millis = timeout_millis
+        self.name = name
+        self._current: Optional[weakref.ref] = None  # the newest iterator
+        self._last_stats: dict = {}
         self._prepared: Optional[_SkippingSampler] = None
         self._epoch: Optional[dict] = None  # the epoch in progress
         self._resume: Optional[dict] = None  # set by load_state_dict
+
+    def _make_stage(self, source) -> Stage:
+        # Read from the attributes each time, so that what a user (or a
+        # loader rebuilt from them) set is what stages.
+        return staged(
+            source,
+            capacity=self.capacity,
+            num_threads=self.num_threads,
+            stage_subgraph_stream_id=self.stage_subgraph_stream_id,
+            transform=self.transform,
+            timeout_millis=self.timeout_millis,
+            device=self.device,
+            name=self.name or "dataloader",
+        )
 
     @property
     def _index_sampler(self):
@@ -166,12 +398,26 @@ class DataLoader(torch.utils.data.DataLoader):
                 base = self._get_iterator()
         finally:
             self._prepared = None
+        plain = base
         if not map_style and skip:
-            base = itertools.islice(base, skip, None)
-        return base
+            base = _Skipping(base, skip)
+        return base, plain
 
-    def __iter__(self) -> Iterator[Any]:
-        self.close()  # a new epoch ends the previous one
+    def _known_batches(self, skip: int) -> Optional[int]:
+        if isinstance(self.dataset, torch.utils.data.IterableDataset):
+            # len(self) would make the plain iterator warn about the length;
+            # an iterable's end is only known by reading it.
+            return None
+        try:
+            return max(len(super()._index_sampler) - skip, 0)
+        except (TypeError, NotImplementedError):  # a sampler without len()
+            return None
+
+    def __iter__(self) -> Iterator[_T_co]:
+        if self.persistent_workers and self.num_workers > 0:
+            # The new epoch resets the workers the previous iterator reads.
+            self.close()
+        _install_warning_recorder()
         resume, self._resume = self._resume, None
         if resume is not None:
             torch.set_rng_state(resume["rng_state"])
@@ -185,14 +431,20 @@ class DataLoader(torch.utils.data.DataLoader):
             "generator_state": None if self.generator is None else self.generator.get_state(),
             "consumed": skip,
         }
-        self._stage = staged(self._base_iterator(skip), **self._stage_options)
-        return _LoaderIter(self, self._stage, self._epoch)
+        base, plain = self._base_iterator(skip)
+        epoch = _Epoch(base, self._known_batches(skip))
+        if not (self.persistent_workers and self.num_workers > 0):
+            epoch.workers = plain
+        it = _LoaderIter(self, epoch, self._epoch)
+        self._current = weakref.ref(it)
+        return it
 
     def state_dict(self) -> dict:
         """Where the training loop is in the current epoch.
 
-        Only batches the loop has taken count; batches staged ahead do not.
-        Between epochs the state is empty and loading it changes nothing.
+        Only batches the loop has taken (or seen raise) count; batches
+        staged ahead do not. Between epochs the state is empty and loading
+        it changes nothing.
         """
         if self._epoch is None:
             return {"version": _STATE_VERSION, "in_epoch": False}
@@ -218,51 +470,140 @@ class DataLoader(torch.utils.data.DataLoader):
             )
         self._resume = dict(state) if state["in_epoch"] else None
 
+    def _current_iter(self) -> Optional[_LoaderIter]:
+        return None if self._current is None else self._current()
+
     def stats(self) -> dict:
-        """The current epoch's stage stats (see ``Stage.stats``)."""
-        if self._stage is None:
-            return {}
-        return self._stage.stats()
+        """The newest iterator's stage stats (see ``Stage.stats``); after
+        it ended, those of its last stage."""
+        it = self._current_iter()
+        if it is not None and it._stage is not None:
+            return it._stage.stats()
+        return dict(self._last_stats)
 
     def close(self) -> None:
-        """Stop the current epoch's staging threads (the next ``iter()``
-        starts a new epoch). Worth calling before another loader restores
-        this one's state in the same process: the threads read ahead and
-        draw from the global RNG while they load."""
-        stage, self._stage = self._stage, None
-        if stage is not None:
-            stage.close()
-
-    def __del__(self):
-        if "_stage" in self.__dict__:  # not when __init__ failed early
-            self.close()
+        """End the newest iterator's epoch: stop its staging threads (and
+        its workers unless they are persistent). Worth calling before
+        another loader restores this one's state in the same process: the
+        threads read ahead and draw from the global RNG while they load."""
+        it = self._current_iter()
+        if it is not None:
+            it.close()
 
 
 class _LoaderIter:
-    """An epoch of a torch_stage.DataLoader."""
+    """An epoch of a torch_stage.DataLoader; owns its stage and workers."""
 
-    def __init__(self, loader: DataLoader, stage: Stage, epoch: dict):
+    def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict):
         self._loader = loader
-        self._stage = stage
         self._epoch = epoch
-        self._it = iter(stage)
+        self._state = state  # the loader's state_dict() bookkeeping
+        self._taken = 0  # batches delivered or raised in this epoch
+        self._run: Optional[_Run] = None
+        self._stage: Optional[Stage] = None
+        self._stage_iter = None
+        self._last_stats: dict = {}
+        self._done = False
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self):
+        if self._done:
+            raise StopIteration
+        epoch = self._epoch
+        index = self._taken
+        error = None
+        if self._stage is None:
+            # The first batch of an epoch, and the one after an error, is
+            # pulled here, on the consumer's thread, when it asks: the
+            # plain DataLoader draws the sampler's seed there.
+            records: list = []
+            try:
+                batch = epoch.pull(records)
+            except StopIteration:
+                _reemit(records)
+                self._finish()
+                raise
+            except Exception:
+                self._count()
+                _reemit(records)
+                raise
+            if records:
+                epoch.warnings[index] = records
+            self._run = _Run(epoch)
+            self._stage = self._loader._make_stage(self._run.source(batch))
+            self._stage_iter = iter(self._stage)
+        elif epoch.known is not None and index >= epoch.known:
+            self._run.demand.release()
         try:
-            batch = next(self._it)
+            batch = next(self._stage_iter)
         except StopIteration:
-            if self._loader._epoch is self._epoch:
-                self._loader._epoch = None
-            self._stage.close()
-            raise
-        self._epoch["consumed"] += 1
+            error, epoch.error = epoch.error, None
+            self._close_stage()
+            if error is None:
+                self._finish()
+                raise
+        if error is not None:
+            # Raised outside the except clause: the plain DataLoader's
+            # exception has no StopIteration as its context.
+            exc, records = error
+            self._count()
+            _reemit(records)
+            try:
+                raise exc
+            finally:
+                # The traceback holds this frame: a local naming the
+                # exception would be a cycle keeping the iterator (and its
+                # threads and workers) alive until the garbage collector runs.
+                exc = error = None
+        records = epoch.warnings.pop(index, None)
+        # Counted first: under an "error" filter the warning raises instead
+        # of the batch, which the plain DataLoader has then used up too.
+        self._count()
+        if records:
+            _reemit(records)
         return batch
+
+    def _count(self) -> None:
+        self._taken += 1
+        self._state["consumed"] += 1
+
+    def _close_stage(self) -> None:
+        run, stage = self._run, self._stage
+        self._run = self._stage = self._stage_iter = None
+        if run is not None:
+            run.stop()
+        if stage is not None:
+            stage.close()
+            self._last_stats = self._loader._last_stats = stage.stats()
+
+    def _finish(self) -> None:
+        if self._loader._epoch is self._state:
+            self._loader._epoch = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop the staging threads and, unless persistent, the workers."""
+        self._done = True
+        self._close_stage()
+        workers, self._epoch.workers = self._epoch.workers, None
+        self._epoch.base = None
+        # Not left to the plain iterator's __del__: a batch's exception
+        # keeps it alive in its traceback's frames until the garbage
+        # collector runs, and that shutdown waits 5 s per worker.
+        shutdown = getattr(workers, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __del__(self):
+        if "_epoch" in self.__dict__:
+            self.close()
 
     def __len__(self) -> int:
         return len(self._loader)
 
     def stats(self) -> dict:
-        return self._stage.stats()
+        if self._stage is not None:
+            return self._stage.stats()
+        return dict(self._last_stats)

@@ -1,0 +1,497 @@
+"""torch_stage.DataLoader behaves as torch.utils.data.DataLoader (issue 17).
+
+Each test runs a scenario with the loader class under test and with the
+plain DataLoader, and compares what the training loop sees: batches,
+errors, warnings, RNG state, threads and processes. The plain class is a
+parameter too, so a scenario that is not deterministic by itself shows up.
+"""
+
+import gc
+import inspect
+import os
+import time
+import warnings
+from typing import List
+
+import psutil
+import pytest
+import torch
+import torch.utils.data as tud
+
+import torch_stage
+
+PLAIN = tud.DataLoader
+CLASSES = [pytest.param(PLAIN, id="plain"), pytest.param(torch_stage.DataLoader, id="staged")]
+# The loaders under test: the plain one, and ours with 1, 2 and 4 staging
+# threads (which read the loader in turns and finish batches out of order).
+LOADERS = [
+    pytest.param((PLAIN, {}), id="plain"),
+    pytest.param((torch_stage.DataLoader, {"num_threads": 1}), id="staged-1thread"),
+    pytest.param((torch_stage.DataLoader, {"num_threads": 2, "capacity": 3}), id="staged-2threads"),
+    pytest.param((torch_stage.DataLoader, {"num_threads": 4, "capacity": 4}), id="staged-4threads"),
+]
+WORKERS = [
+    pytest.param(0, id="0workers"),
+    pytest.param(2, id="2workers", marks=pytest.mark.workers),
+]
+
+timeout = pytest.mark.timeout(60)
+
+
+def loader(cls, dataset, staging=None, **kwargs):
+    if cls is PLAIN:
+        return PLAIN(dataset, **kwargs)
+    return cls(dataset, **kwargs, **(staging or {}))
+
+
+class Failing(tud.Dataset):
+    """Items in ``bad`` raise; the others are their index."""
+
+    def __init__(self, n=24, bad=(7, 13)):
+        self.n = n
+        self.bad = bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise ValueError(f"item {i} is bad")
+        return torch.tensor([i])
+
+
+class _FailingIter:
+    """An iterator that raises at ``bad`` positions and goes on after."""
+
+    def __init__(self, items, bad):
+        self.items = list(items)
+        self.bad = bad
+        self.pos = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.items):
+            raise StopIteration
+        item = self.items[self.pos]
+        self.pos += 1
+        if item in self.bad:
+            raise KeyError(f"record {item} is bad")
+        return torch.tensor([item])
+
+
+class FailingStream(tud.IterableDataset):
+    """Sharded over workers; ``generator=True``: a generator, which ends
+    after its first error (in the plain DataLoader too)."""
+
+    def __init__(self, n=20, bad=(5, 12), generator=False):
+        self.n = n
+        self.bad = bad
+        self.generator = generator
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        items = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        it = _FailingIter(items, self.bad)
+        return (x for x in it) if self.generator else it
+
+
+def picky_collate(items):
+    if any(int(x) == 9 for x in items):
+        raise TypeError("cannot collate item 9")
+    return torch.cat(items)
+
+
+def outcomes(it, steps):
+    """What ``steps`` calls of next() give: batches, errors, the end."""
+    seen = []
+    for _ in range(steps):
+        try:
+            seen.append(("batch", next(it).flatten().tolist()))
+        except StopIteration:
+            seen.append(("end",))
+        except Exception as exc:  # noqa: BLE001 (compared, not handled)
+            seen.append(("error", type(exc), str(exc)))
+            # The plain iterator's frames in it form a cycle with the
+            # exception; left to the garbage collector, stopping its workers
+            # takes 5 s each, at some later test.
+            exc.__traceback__ = None
+    return seen
+
+
+@pytest.fixture(params=CLASSES)
+def cls(request):
+    return request.param
+
+
+@pytest.fixture(params=LOADERS)
+def make(request):
+    """Makes the loader under test: ``make(dataset, **plain_kwargs)``."""
+    cls, staging = request.param
+    return lambda dataset, **kwargs: loader(cls, dataset, staging, **kwargs)
+
+
+# --- 1. Errors mid-epoch -----------------------------------------------------
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(dict(dataset=Failing(bad=(7, 13))), id="map"),
+        pytest.param(dict(dataset=Failing(bad=(0, 23))), id="map-first-and-last"),
+        pytest.param(dict(dataset=Failing(bad=()), collate_fn=picky_collate), id="collate"),
+        pytest.param(dict(dataset=FailingStream(), batch_size=3), id="iterable"),
+        pytest.param(dict(dataset=FailingStream(generator=True), batch_size=3), id="generator"),
+    ],
+)
+def test_an_error_raises_for_its_batch_and_the_epoch_goes_on(make, num_workers, case):
+    case = dict(case)
+    dataset = case.pop("dataset")
+    kwargs = dict(batch_size=4, num_workers=num_workers)
+    kwargs.update(case)
+    expected = outcomes(iter(PLAIN(dataset, **kwargs)), 12)
+    got = outcomes(iter(make(dataset, **kwargs)), 12)
+    assert got == expected
+    assert ("end",) in got and any(o[0] == "error" for o in got)
+    if num_workers:
+        # The worker's traceback, as torch's ExceptionWrapper words it.
+        assert all("in DataLoader worker process" in o[2] for o in got if o[0] == "error")
+
+
+@timeout
+@pytest.mark.workers
+def test_errors_with_persistent_workers_over_two_epochs(make):
+    kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True)
+    plain = PLAIN(Failing(), **kwargs)
+    ours = make(Failing(), **kwargs)
+    for _ in range(2):
+        assert outcomes(iter(ours), 8) == outcomes(iter(plain), 8)
+
+
+# --- 2. Generic over the item type -------------------------------------------
+
+
+def test_generic_over_the_item_type(cls):
+    alias = cls[List[torch.Tensor]]
+    made = alias(Failing(bad=()), batch_size=4)
+    assert type(made) is cls
+    assert isinstance(made, tud.DataLoader)
+    assert next(iter(made)).shape == (4, 1)
+
+
+# --- 3. Warnings in next() ---------------------------------------------------
+
+
+class Overlong(tud.IterableDataset):
+    """Says it has 3 items and yields 8."""
+
+    def __len__(self):
+        return 3
+
+    def __repr__(self):  # the warning names the dataset
+        return "Overlong()"
+
+    def __iter__(self):
+        info = tud.get_worker_info()
+        if info is None or info.id == 0:
+            yield from (torch.tensor([i]) for i in range(8))
+
+
+class Warning7(tud.Dataset):
+    def __init__(self, odd=7):
+        self.odd = odd
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == self.odd:
+            warnings.warn(f"item {i} looks odd", UserWarning, stacklevel=1)
+        return torch.tensor([i])
+
+
+def warnings_per_next(it, steps):
+    seen = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                next(it)
+            except StopIteration:
+                pass
+        seen.append(
+            [(w.category, str(w.message), os.path.basename(w.filename), w.lineno) for w in caught]
+        )
+    return seen
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_the_length_warning_comes_with_its_batch(make, num_workers):
+    def run(made):
+        assert len(made) == 3  # what the warning compares with
+        return warnings_per_next(iter(made), 10)
+
+    kwargs = dict(batch_size=None, num_workers=num_workers)
+    expected = run(PLAIN(Overlong(), **kwargs))
+    got = run(make(Overlong(), **kwargs))
+    assert got == expected
+    assert [bool(w) for w in got] == [False] * 3 + [True] * 5 + [False] * 2
+    assert all(w[0][2] == os.path.basename(__file__) for w in got if w)
+
+
+@timeout
+@pytest.mark.parametrize("odd", [1, 7])  # in the first batch (pulled in next()), a staged one
+def test_a_dataset_warning_comes_with_its_batch(make, odd):
+    expected = warnings_per_next(iter(PLAIN(Warning7(odd), batch_size=3)), 5)
+    got = warnings_per_next(iter(make(Warning7(odd), batch_size=3)), 5)
+    assert got == expected
+    assert [bool(w) for w in got] == [i == odd // 3 for i in range(5)]
+
+
+@timeout
+@pytest.mark.parametrize("odd", [1, 7])
+def test_a_warning_made_an_error_raises_for_its_batch(make, odd):
+    def run(made):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return outcomes(iter(made), 6)
+
+    expected = run(PLAIN(Warning7(odd), batch_size=3))
+    assert run(make(Warning7(odd), batch_size=3)) == expected
+    assert [o[0] for o in expected].count("batch") == 3
+
+
+@timeout
+def test_warnings_on_other_threads_are_untouched(cls):
+    # A loader reading ahead must not catch the training loop's warnings.
+    it = iter(loader(cls, Warning7(), batch_size=3))
+    next(it)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("from the training loop", RuntimeWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["from the training loop"]
+    assert caught[0].filename == __file__
+
+
+# --- 4. The iterator owns its threads and workers ----------------------------
+
+
+def staging_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum(name.startswith("torch_stage:") for name in names)
+
+
+def worker_processes():
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return len(alive)
+
+
+def census():
+    return staging_threads(), worker_processes()
+
+
+def settles_to(expected, within=1.0):
+    deadline = time.monotonic() + within
+    while True:
+        gc.collect()
+        now = census()
+        if now == expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.02)
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("how", ["del", "break", "after-error"])
+def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
+    before = settles_to(census())
+    bad = (5,) if how == "after-error" else ()  # an error ends a stage's threads
+    made = loader(cls, Failing(bad=bad), batch_size=2, num_workers=num_workers)
+    if how == "after-error":
+        it = iter(made)
+        assert [o[0] for o in outcomes(it, 4)] == ["batch", "batch", "error", "batch"]
+        del it
+    elif how == "del":
+        it = iter(made)
+        next(it)
+        if cls is not PLAIN:
+            assert staging_threads() > before[0]
+        del it
+    else:
+        for _ in made:
+            break
+    assert settles_to(before) == before
+
+
+@timeout
+@pytest.mark.workers
+def test_persistent_workers_stay_until_the_loader_goes(cls):
+    before = settles_to(census())
+    made = loader(cls, Failing(bad=()), batch_size=2, num_workers=2, persistent_workers=True)
+    for _ in made:
+        break
+    assert settles_to((before[0], before[1] + 2)) == (before[0], before[1] + 2)
+    del made
+    assert settles_to(before) == before
+
+
+# --- 5. Read-ahead changes no sampler or RNG draw ----------------------------
+
+
+class Noisy(tud.Dataset):
+    """Items draw from the global RNG, as random augmentations do.
+
+    24 items in batches of 4: the last batch is out before the sampler is
+    asked again, and asking again makes RandomSampler draw a permutation.
+    """
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item()])
+
+
+def lightning_epochs(made, epochs=2):
+    """Epochs as Lightning runs them: len(loader) next() calls, no
+    StopIteration, then iter() again."""
+    seen = []
+    for _ in range(epochs):
+        it = iter(made)
+        seen.append([next(it).tolist() for _ in range(len(made))])
+    return seen
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_generator_draws_match_without_exhausting(make, num_workers):
+    def run(make):
+        gen = torch.Generator().manual_seed(5)
+        torch.manual_seed(0)
+        made = make(Noisy(), batch_size=4, shuffle=True, generator=gen, num_workers=num_workers)
+        return lightning_epochs(made), gen.get_state(), torch.get_rng_state()
+
+    expected = run(PLAIN)
+    got = run(make)
+    assert got[0] == expected[0]
+    assert torch.equal(got[1], expected[1])
+    assert torch.equal(got[2], expected[2])
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+def test_global_seed_draws_match_without_exhausting(make, num_workers):
+    def run(make):
+        torch.manual_seed(17)
+        made = make(Noisy(), batch_size=4, shuffle=True, num_workers=num_workers)
+        return lightning_epochs(made), torch.get_rng_state()
+
+    expected = run(PLAIN)
+    got = run(make)
+    assert got[0] == expected[0]
+    assert torch.equal(got[1], expected[1])
+
+
+@timeout
+def test_draws_between_iter_and_next_are_not_taken_by_the_loader(cls):
+    # The plain DataLoader draws the sampler's seed at the first next().
+    def run(make):
+        torch.manual_seed(2)
+        it = iter(make(Noisy(), batch_size=4, shuffle=True))
+        between = torch.rand(3).tolist()
+        return between, next(it).tolist()
+
+    assert run(lambda *a, **k: loader(cls, *a, **k)) == run(PLAIN)
+
+
+# --- 6. Constructor arguments ------------------------------------------------
+
+
+def test_every_plain_argument_is_accepted_with_its_default():
+    plain = inspect.signature(PLAIN).parameters
+    ours = inspect.signature(torch_stage.DataLoader).parameters
+    for name, param in plain.items():
+        assert name in ours, name
+        assert ours[name].default == param.default, name
+        assert ours[name].kind == param.kind, name
+
+
+def lightning_rebuild(made):
+    """A new loader from the signature and public attributes, as PyTorch
+    Lightning re-creates loaders (to inject a DistributedSampler)."""
+    params = inspect.signature(type(made).__init__).parameters
+    attrs = {k: v for k, v in vars(made).items() if not k.startswith("_")}
+    kwargs = {n: attrs[n] for n in params if n in attrs}
+    # Lightning passes the sampler and leaves shuffle/batch_sampler default.
+    kwargs.pop("batch_sampler", None)
+    kwargs["sampler"] = made.sampler
+    return type(made)(**kwargs)
+
+
+def test_a_rebuilt_loader_keeps_every_option(cls):
+    staging = dict(
+        capacity=3,
+        num_threads=2,
+        device="cpu",
+        transform=torch.neg,
+        stage_subgraph_stream_id=2,
+        timeout_millis=1234,
+        name="rebuilt",
+    )
+    made = loader(cls, Failing(bad=()), staging, batch_size=5, drop_last=True, in_order=False)
+    again = lightning_rebuild(made)
+    assert (again.batch_size, again.drop_last, again.in_order) == (5, True, False)
+    assert [b.tolist() for b in again] == [b.tolist() for b in made]
+    if cls is not PLAIN:
+        for key, value in staging.items():
+            expected = torch.device(value) if key == "device" else value
+            assert getattr(again, key) == expected, key
+
+
+class Stream(tud.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+@timeout
+@pytest.mark.parametrize(
+    "dataset, kwargs",
+    [
+        (Failing(), dict(num_workers=-1)),
+        (Failing(), dict(timeout=-1)),
+        (Failing(), dict(prefetch_factor=2)),
+        (Failing(), dict(persistent_workers=True)),
+        (Failing(), dict(batch_sampler=[[0, 1]], batch_size=2)),
+        (Failing(), dict(sampler=[0, 1], shuffle=True)),
+        (Failing(), dict(batch_size=None, drop_last=True)),
+        (Stream(), dict(shuffle=True)),
+        (Stream(), dict(sampler=[0, 1])),
+        (Failing(), dict(num_workers=1, multiprocessing_context="no-such-method")),
+        (Failing(), dict(num_workers=1, multiprocessing_context=5)),
+        (Failing(), dict(multiprocessing_context="fork")),
+        (Failing(), dict(no_such_argument=1)),
+    ],
+)
+def test_bad_arguments_raise_as_the_plain_loader_does(cls, dataset, kwargs):
+    with pytest.raises(Exception) as plain_error:
+        PLAIN(dataset, **kwargs)
+    before = settles_to(census())
+    with pytest.raises(plain_error.type):
+        loader(cls, dataset, **kwargs)
+    assert census() == before

@@ -251,7 +251,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         capacity: batches staged ahead (>= 1).
         num_threads: staging threads; the loader is read by one at a time,
             ``transform`` and the copies run on all.
-        stage_subgraph_stream_id: the pool stream for the copies (0: the
+        stage_subgraph_stream_id: the staging stream for the copies
+            (torch_stage's own, never a multi-stream side stream; 0: the
             consumer's current stream). The consumer's stream waits for each
             copy before the batch is handed over.
         transform: per-batch work run on the staging threads, before the

@@ -207,3 +207,17 @@ def test_is_a_torch_dataloader():
     loader = torch_stage.DataLoader(Squares(), batch_size=8)
     assert isinstance(loader, tud.DataLoader)
     assert loader.batch_size == 8
+
+
+def test_torchscript_still_compiles_warnings_after_a_loader_ran(run_python):
+    # The loader wraps warnings.warn to carry a batch's warnings to next();
+    # TorchScript compiles warnings.warn by identity (F.embedding_bag calls
+    # it), so scripting after a loader ran once tried to compile the wrapper.
+    run_python(
+        """
+        import torch, torch_stage
+        assert list(torch_stage.DataLoader(list(range(4)), batch_size=2))
+        bag = torch.jit.script(torch.nn.EmbeddingBag(10, 3, mode="sum"))
+        bag(torch.tensor([1, 2, 3]), torch.tensor([0]))
+        """
+    )

@@ -105,6 +105,10 @@ def _install_warning_recorder() -> None:
     with _install_lock:
         if _plain_warn is None:
             _plain_warn = warnings.warn
+            # TorchScript compiles a call to warnings.warn (F.embedding_bag
+            # has one) as aten::warn by the function's identity: the wrapper
+            # must map there too, or scripting tries to compile it.
+            torch.jit._builtins._register_builtin(_warn, "aten::warn")
             warnings.warn = _warn
 
 

@@ -134,8 +134,7 @@ void init_streams(py::module_& m) {
             static_cast<int64_t>(s.device_type()));
       },
       py::arg("device"));
-  m.def(
-      "_stream_abort_runs", &StreamRun::abort_thread_runs, py::arg("depth"));
+  m.def("_stream_abort_runs", &StreamRun::abort_thread_runs, py::arg("depth"));
 }
 
 } // namespace torch_stage::python

@@ -8,7 +8,7 @@ from zoo import InPlaceModel
 
 import torch_stage
 from torch_stage.fx import GraphAnalysis, trace
-from torch_stage.fx.partition import CONST, DEVICE, HOST, INPUT, OUTPUT, plan
+from torch_stage.fx.partition import ALIAS, CONST, DEVICE, HOST, INPUT, OUTPUT, plan
 
 
 def analyse(module, num_streams=4, example_inputs=None, cost_model=None):
@@ -52,7 +52,7 @@ def test_nodes_are_sorted_into_inputs_host_constants_and_device_work():
         "mul_1": DEVICE,
         "add": DEVICE,
         "mul_2": HOST,
-        "view": DEVICE,
+        "view": ALIAS,  # launches nothing: no stream, no event of its own
         "output": OUTPUT,
     }
 
@@ -64,10 +64,9 @@ def test_host_values_and_constants_make_no_dependencies():
         ("repeat", "add"): 0,
         ("repeat_1", "mul_1"): 0,
         ("mul_1", "add"): 0,
-        ("add", "view"): 0,
     }
-    # The view launches nothing.
-    assert analysis.costs == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert analysis.costs == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert [n.name for n in analysis.roots(analysis.nodes[-2])] == ["add"]
 
 
 def test_with_example_inputs_shapes_and_aliases_are_measured():
@@ -79,8 +78,8 @@ def test_with_example_inputs_shapes_and_aliases_are_measured():
     assert nodes["lin"].meta["torch_stage_aliases"] == []
     assert analysis.costs_known
     costs = dict(zip([n.name for n in analysis.device_nodes], analysis.costs))
-    assert costs["view"] == 0.0
-    assert all(c > 0 for name, c in costs.items() if name != "view")
+    assert "view" not in costs  # an alias: no device work to cost
+    assert all(c > 0 for c in costs.values())
 
 
 def test_in_place_writes_are_ordered_against_every_reader():
@@ -142,14 +141,15 @@ def test_annotations_become_fixed_streams_and_colocation_groups():
 
     analysis = analyse(Towers())
     names = [n.name for n in analysis.device_nodes]
-    assert names == ["add", "mul", "sub", "t"]
-    assert analysis.fixed == [2, -1, -1, -1]
-    # sub is colocated with add; t, a view, follows its producer sub.
+    # t, a view, launches nothing: not a node of the plan.
+    assert names == ["add", "mul", "sub"]
+    assert analysis.fixed == [2, -1, -1]
+    # sub is colocated with add.
     group = analysis.colocation[0]
     assert group >= 0
-    assert analysis.colocation == [group, -1, group, group]
+    assert analysis.colocation == [group, -1, group]
     stream_plan, _ = plan(analysis, "min_sync", verify=True)
-    assert stream_plan.assignment == {"add": 2, "mul": 0, "sub": 2, "t": 2}
+    assert stream_plan.assignment == {"add": 2, "mul": 0, "sub": 2}
 
 
 def test_annotations_outside_the_pool_of_a_graph_module_are_rejected():
@@ -195,8 +195,8 @@ def test_cost_model_errors_name_the_node():
         analyse(Shapes(), cost_model=lambda n: "cheap")
     seen = []
     analysis = analyse(Shapes(), cost_model=lambda n: seen.append(n.name) or 3)
-    assert seen == ["lin", "repeat", "repeat_1", "mul_1", "add", "view"]
-    assert analysis.costs == [3.0] * 6
+    assert seen == ["lin", "repeat", "repeat_1", "mul_1", "add"]
+    assert analysis.costs == [3.0] * 5
 
 
 def test_a_rewritten_graph_is_refused():

@@ -21,6 +21,7 @@ from stream_oracle import data_conflict_expected  # noqa: E402
 
 import torch_stage  # noqa: E402
 from torch_stage.fx import _ops  # noqa: E402
+from torch_stage.fx.cost_model import is_view  # noqa: E402
 
 # The smallest model of each family (the large ones repeat the same blocks),
 # with the input size it accepts.
@@ -123,6 +124,25 @@ def test_plans_look_like_what_an_expert_would_write(rewritten):
     assert (len(plan.streams_used), len(plan.events)) == (1, 0)
     plan = rewritten("googlenet")[1].stream_plan
     assert len(plan.streams_used) == 4  # inception branches spread over the pool
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_views_identities_getitems_and_asserts_get_no_stream_or_event(name, rewritten):
+    _, ms = rewritten(name)
+    plan = ms.stream_plan
+    nodes = {n.name: n for n in ms.graph.nodes}
+    trivial = {
+        n
+        for n, node in nodes.items()
+        if is_view(node)
+        or node.target is torch._assert
+        or (
+            node.op == "call_module"
+            and isinstance(ms.get_submodule(node.target), torch.nn.Identity)
+        )
+    }
+    assert trivial & set(plan.assignment) == set()
+    assert trivial & {e.node for e in plan.events} == set()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

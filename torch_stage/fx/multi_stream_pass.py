@@ -341,8 +341,8 @@ class _Rewrite:
             # from here on: tell the allocator (pytorch#165391 does the same
             # for Inductor's user streams).
             for v in n.all_input_nodes:
-                i = self.analysis.index.get(v)
-                if i is not None and self.stream[i] != 0:
+                roots = self.analysis.roots(v)
+                if any(self.stream[self.analysis.index[r]] != 0 for r in roots):
                     self._call(_ops.record_stream, run, v, 0)
             if any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
                 self._switch(0)

@@ -8,6 +8,11 @@
 * constants: deterministic factories of fresh tensors (``torch.zeros(n)``):
   re-created on each stream that uses them, as DeepRec duplicates Const
   nodes, so they never cause a wait;
+* aliases: views, ``getitem`` of a multi-output result, ``nn.Identity``:
+  they launch no device work, so they get no stream and no event of their
+  own; a node that reads one depends on the device nodes whose memory it
+  aliases (unless the alias is annotated or written in place: then it is a
+  device node);
 * device nodes: everything else, the nodes of the scheduler's DAG, numbered
   in graph order (which is the issue order, kept by the rewrite).
 
@@ -42,7 +47,7 @@ from torch_stage.fx.effects import written_args
 
 __all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
 
-INPUT, OUTPUT, HOST, CONST, DEVICE = "input", "output", "host", "const", "device"
+INPUT, OUTPUT, HOST, CONST, DEVICE, ALIAS = "input", "output", "host", "const", "device", "alias"
 
 _HOST_ATTRS = frozenset(
     {
@@ -311,6 +316,9 @@ class GraphAnalysis:
                 n in self.mutated or self._families.find(self.position[n]) in written
             ):
                 self.kind[n] = DEVICE
+        for n in self.nodes:
+            if self.kind[n] == DEVICE and n not in self.mutated and self._is_alias(n):
+                self.kind[n] = ALIAS
         self.device_nodes = [n for n in self.nodes if self.kind[n] == DEVICE]
         self.index = {n: i for i, n in enumerate(self.device_nodes)}
         self.constants = [n for n in self.nodes if self.kind[n] == CONST]
@@ -369,7 +377,32 @@ class GraphAnalysis:
             # tensor come out).
             if not n.meta.get("torch_stage_has_tensor", True):
                 return HOST
+        if n.op == "call_function" and inputs and host_inputs and not n.users:
+            # A check on host values (torch._assert on shapes): it cannot read
+            # device memory, and nothing on the device waits for it.
+            return HOST
         return DEVICE
+
+    def _is_alias(self, n: torch.fx.Node) -> bool:
+        if META_KEY in n.meta:
+            return False
+        if n.op == "call_module":
+            return isinstance(self.gm.get_submodule(n.target), torch.nn.Identity)
+        return is_view(n)
+
+    def roots(self, n: torch.fx.Node) -> List[torch.fx.Node]:
+        """The device nodes whose result ``n`` is or aliases."""
+        kind = self.kind.get(n)
+        if kind == DEVICE:
+            return [n]
+        if kind != ALIAS:
+            return []
+        found: List[torch.fx.Node] = []
+        for a in n.all_input_nodes:
+            for r in self.roots(a):
+                if r not in found:
+                    found.append(r)
+        return found
 
     @staticmethod
     def _factory(target: Any) -> bool:
@@ -420,7 +453,10 @@ class GraphAnalysis:
             names = set(n.meta["torch_stage_aliases"])
             return [a for a in n.all_input_nodes if a.name in names]
         found = []
-        if is_view(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+        identity = n.op == "call_module" and isinstance(
+            self.gm.get_submodule(n.target), torch.nn.Identity
+        )
+        if (is_view(n) or identity) and n.args and isinstance(n.args[0], torch.fx.Node):
             found.append(n.args[0])
         # In-place ops return (an alias of) what they write.
         found.extend(self.mutated.get(n, []))
@@ -443,8 +479,8 @@ class GraphAnalysis:
     def _data_edges(self) -> None:
         for v in self.device_nodes:
             for u in v.all_input_nodes:
-                if self.kind[u] == DEVICE:
-                    self._add_edge(u, v, 0)
+                for r in self.roots(u):
+                    self._add_edge(r, v, 0)
 
     def _order_edges(self) -> None:
         previous = None

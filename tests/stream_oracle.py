@@ -7,7 +7,7 @@ import torch
 
 import torch_stage  # noqa: F401
 from torch_stage.fx import _ops
-from torch_stage.fx.cost_model import is_view
+from torch_stage.fx.cost_model import is_view, may_copy
 
 ops = torch.ops.torch_stage
 
@@ -45,7 +45,7 @@ def data_conflict_expected(gm, removed):
             continue
         if n.target in _ops.STREAM_OPS or n is fork:
             continue
-        if is_view(n):
+        if is_view(n) and not may_copy(n):
             # No kernel: the view is made where its base was.
             base = n.args[0] if n.args else None
             if base in made:

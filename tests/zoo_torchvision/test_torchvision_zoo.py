@@ -21,7 +21,7 @@ from stream_oracle import data_conflict_expected  # noqa: E402
 
 import torch_stage  # noqa: E402
 from torch_stage.fx import _ops  # noqa: E402
-from torch_stage.fx.cost_model import is_view  # noqa: E402
+from torch_stage.fx.cost_model import is_view, may_copy  # noqa: E402
 
 # The smallest model of each family (the large ones repeat the same blocks),
 # with the input size it accepts.
@@ -134,7 +134,7 @@ def test_views_identities_getitems_and_asserts_get_no_stream_or_event(name, rewr
     trivial = {
         n
         for n, node in nodes.items()
-        if is_view(node)
+        if (is_view(node) and not may_copy(node))
         or node.target is torch._assert
         or (
             node.op == "call_module"

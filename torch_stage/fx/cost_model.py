@@ -22,7 +22,15 @@ from typing import Any, Iterable, List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BYTES_PER_US", "FLOPS_PER_US", "LAUNCH_US", "default_cost", "is_view"]
+__all__ = [
+    "BYTES_PER_US",
+    "FLOPS_PER_US",
+    "LAUNCH_US",
+    "MAY_COPY",
+    "default_cost",
+    "is_view",
+    "may_copy",
+]
 
 #: Kernel launch overhead, microseconds.
 LAUNCH_US = 5.0
@@ -103,9 +111,22 @@ _MATMUL_METHODS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmu
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 
 
+#: Views that copy when the input's strides do not allow a view (their
+#: ATen schemas still say ``Tensor(a)``): they may launch a kernel and write
+#: fresh memory, so they are never mere aliases.
+MAY_COPY = frozenset({"reshape", "reshape_as", "flatten", torch.reshape, torch.flatten})
+
+
+def may_copy(node: torch.fx.Node) -> bool:
+    """Whether view-like ``node`` can copy (see :data:`MAY_COPY`)."""
+    return node.target in MAY_COPY
+
+
 def is_view(node: torch.fx.Node) -> bool:
     """Whether ``node`` only reinterprets its first argument (no kernel)."""
     if node.op == "call_method":
+        if node.target == "__getitem__":
+            return not any(isinstance(a, torch.fx.Node) for a in _flat(node.args[1:]))
         return node.target in VIEW_METHODS
     if node.op != "call_function":
         return False

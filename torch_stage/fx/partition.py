@@ -42,7 +42,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch_stage.fx import _ops
 from torch_stage.fx._example import clone_inputs, isolated, tensors_in
 from torch_stage.fx.annotate import META_KEY
-from torch_stage.fx.cost_model import default_cost, is_view
+from torch_stage.fx.cost_model import default_cost, is_view, may_copy
 from torch_stage.fx.effects import written_args
 
 __all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
@@ -388,7 +388,7 @@ class GraphAnalysis:
             return False
         if n.op == "call_module":
             return isinstance(self.gm.get_submodule(n.target), torch.nn.Identity)
-        return is_view(n)
+        return is_view(n) and not may_copy(n)
 
     def roots(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         """The device nodes whose result ``n`` is or aliases."""

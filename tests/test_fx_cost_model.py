@@ -61,9 +61,19 @@ def test_costs_follow_flops_and_bytes():
 
 
 def test_views_cost_nothing():
-    c = costs()
-    assert c["view"] == 0.0
-    assert c["t"] == 0.0
+    inputs = (
+        torch.randn(64, 256),
+        torch.randn(2, 8, 16, 16),
+        torch.randint(0, 100, (40,)),
+        torch.arange(0, 40, 4),
+    )
+    gm = trace(Mixed(), example_inputs=inputs)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert default_cost(nodes["view"], gm) == 0.0
+    assert default_cost(nodes["t"], gm) == 0.0
+    # Nor are they nodes of the plan: aliases get no stream of their own.
+    names = {n.name for n in GraphAnalysis(gm, inputs, None, 4).device_nodes}
+    assert not {"view", "t"} & names
 
 
 def test_without_shapes_every_kernel_costs_one():

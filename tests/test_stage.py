@@ -651,6 +651,9 @@ class _FlakyIter:
     def __init__(self, n):
         self.i, self.n = 0, n
 
+    def __iter__(self):
+        return self
+
     def __next__(self):
         i = self.i
         if i >= self.n:

@@ -347,15 +347,16 @@ def _tagged(transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 class _Cursor:
-    """The iterator a resumable stage's producers read: yields
+    """The source a resumable stage's producers read: its iterator yields
     ``(position, item)``, ``position`` counting source items from the
-    start of the source (across resumes), and records where the consumers
-    are.
+    start of the source (across resumes), and it records where the
+    consumers are.
 
-    Threads: ``__next__`` runs on producer threads, one at a time (the
-    stage reads its source under a lock); ``received`` on consumer
-    threads; ``state``/``load`` on any. ``_lock`` guards ``_received``,
-    ``_snapshots`` and ``_loaded``.
+    Threads: ``__iter__`` and ``__next__`` run on producer threads, one
+    at a time (the stage reads its source under a lock); ``received`` on
+    consumer threads; ``state`` on any; ``load`` before the stage starts.
+    ``_lock`` guards ``_received`` and ``_snapshots``; ``_pulled``,
+    ``_skip`` and ``_it`` belong to the producer reading the source.
     """
 
     def __init__(self, source, kind: str, ignored: tuple):
@@ -363,7 +364,7 @@ class _Cursor:
         self._source = source
         self._ignored = ignored
         self._lock = threading.Lock()
-        self._it = None
+        self._it = None  # the stateful source's iterator
         self._pulled = 0  # the position of the next source item
         self._skip = 0  # items to read and drop before the first (resume)
         self._received = 0  # 1 + the last position a consumer received
@@ -373,19 +374,29 @@ class _Cursor:
         if kind == "stateful":
             self._snapshots.append((0, copy.deepcopy(source.state_dict())))
 
-    def __iter__(self) -> _Cursor:
-        return self
-
-    def __next__(self):
-        if self._it is None:
-            self._it = iter(self._source)
+    def __iter__(self):
+        # The stage calls this once, on a producer thread, before its first
+        # item: the resume's reading and discarding happens there, off the
+        # consumer's thread.
+        it = iter(self._source)
         while self._skip > 0:
             self._skip -= 1
             try:
-                next(self._it)
+                next(it)
+            except StopIteration:
+                break
             except self._ignored:
-                # Skipped in the saved run as well.
-                pass
+                pass  # skipped in the saved run as well
+        if self.kind == "iterable" and hasattr(it, "__iter__"):
+            # No Python frame per item: a Python __next__ on the producer
+            # thread fights the consumer for the GIL (about 5x the cost of
+            # an item). zip advances the count before it reads the source,
+            # so an item that raises takes its position, as in __next__.
+            return zip(itertools.count(self._pulled), it)
+        self._it = it
+        return self
+
+    def __next__(self):
         position = self._pulled
         try:
             item = next(self._it)

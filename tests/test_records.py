@@ -585,6 +585,154 @@ def test_interpreter_exit_and_gc_stop_the_threads(run_python, tmp_path):
     assert proc.stdout.strip() == "ok"
 
 
+# -------------------------------------------- RecordInput over bad files
+#
+# Every outcome is taken with a bounded wait, so a pipeline that spins or
+# hangs fails the test ("hang") instead of wedging the run.
+
+BOUND_S = 10
+
+
+def outcomes(ri, limit=50):
+    """What successive next() calls give: record lists, RecordError
+    instances, "end" (StopIteration) or "hang" (nothing within BOUND_S)."""
+    got = []
+    for _ in range(limit):
+        try:
+            batch = ri.next_batch(timeout=BOUND_S)
+        except StopIteration:
+            got.append("end")
+            break
+        except RecordError as e:
+            got.append(e)
+            continue
+        if batch is None:
+            got.append("hang")
+            break
+        got.append(batch.tolist())
+    return got
+
+
+def empty_files(tmp_path, n):
+    paths = []
+    for k in range(n):
+        path = tmp_path / f"e{k}.rec"
+        path.write_bytes(b"")
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n_files", [1, 3])
+def test_record_input_forever_over_empty_files_is_an_error_naming_them(tmp_path, n_files):
+    paths = empty_files(tmp_path, n_files)
+    with RecordInput(str(tmp_path / "*.rec"), parallelism=2, buffer_size=4, batch_size=2) as ri:
+        got = outcomes(ri)
+    assert len(got) == 2 and got[1] == "end", got
+    error = got[0]
+    assert isinstance(error, RecordFileError), got
+    assert "no record" in str(error) and "epochs=None" in str(error)
+    assert all(repr(p) in str(error) for p in paths)
+    assert error.path == (paths[0] if n_files == 1 else None)
+
+
+@pytest.mark.timeout(60)
+def test_record_input_with_epochs_over_empty_files_ends_cleanly(tmp_path):
+    empty_files(tmp_path, 2)
+    with RecordInput(str(tmp_path / "*.rec"), batch_size=2, epochs=10**9) as ri:
+        assert outcomes(ri) == ["end"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("epochs", [None, 3])
+def test_record_input_over_a_file_with_no_complete_record(tmp_path, epochs):
+    path = tmp_path / "t.rec"
+    path.write_bytes(b"\x05\x00\x00\x00\x00")  # 5 of a header's 12 bytes
+    with RecordInput(str(path), buffer_size=4, batch_size=2, epochs=epochs) as ri:
+        got = outcomes(ri)
+    # One pass reads no record: the error of the file, then the end (a
+    # RecordFileError first when passes would repeat forever).
+    assert isinstance(got[0], CorruptRecordError), got
+    assert got[0].path == str(path) and "expected a 12-byte header" in str(got[0])
+    if epochs is None:
+        assert len(got) == 3 and isinstance(got[1], RecordFileError), got
+        assert repr(str(path)) in str(got[1]) and "no record" in str(got[1])
+    else:
+        assert len(got) == 2, got
+    assert got[-1] == "end"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("epochs", [None, 2])
+def test_record_input_mixes_empty_and_non_empty_files(tmp_path, epochs):
+    empty_files(tmp_path, 3)
+    write(tmp_path / "f0.rec", [b"a", b"b", b"c"])
+    write(tmp_path / "f1.rec", [b"d"])
+    with RecordInput(
+        str(tmp_path / "*.rec"), parallelism=5, buffer_size=2, batch_size=2, epochs=epochs
+    ) as ri:
+        got = outcomes(ri, limit=4 if epochs is None else 50)
+    records = [r for item in got if isinstance(item, list) for r in item]
+    if epochs is None:
+        assert len(got) == 4 and len(records) == 8, got
+        assert sorted(records) == sorted([b"a", b"b", b"c", b"d"] * 2)
+    else:
+        assert got[-1] == "end" and sorted(records) == sorted([b"a", b"b", b"c", b"d"] * 2)
+
+
+@pytest.mark.timeout(60)
+def test_record_input_file_deleted_while_read_forever(tmp_path):
+    write(tmp_path / "f0.rec", [b"x%d" % i for i in range(5)])
+    write(tmp_path / "f1.rec", [b"y%d" % i for i in range(5)])
+    with RecordInput(
+        str(tmp_path / "*.rec"), parallelism=2, buffer_size=2, batch_size=1, prefetch_batches=1
+    ) as ri:
+        assert isinstance(ri.next_batch(timeout=BOUND_S), RecordBatch)
+        os.unlink(tmp_path / "f0.rec")
+        got = outcomes(ri, limit=60)
+    errors = [e for e in got if isinstance(e, RecordError)]
+    assert errors and all(isinstance(e, RecordFileError) for e in errors), got
+    assert errors[0].path == str(tmp_path / "f0.rec") and "cannot open" in str(errors[0])
+    # f1 still holds records: they keep coming, no spin and no end.
+    assert "hang" not in got and "end" not in got
+    after = got[got.index(errors[0]) :]
+    assert sum(isinstance(item, list) for item in after) >= 10, got
+
+
+@pytest.mark.timeout(60)
+def test_record_input_every_file_deleted_forever_is_an_error(tmp_path):
+    path = tmp_path / "f0.rec"
+    write(path, [b"x%d" % i for i in range(3)])
+    with RecordInput(str(path), buffer_size=1, batch_size=1, prefetch_batches=1) as ri:
+        assert isinstance(ri.next_batch(timeout=BOUND_S), RecordBatch)
+        os.unlink(path)
+        got = outcomes(ri, limit=60)
+    assert got[-1] == "end", got
+    assert isinstance(got[-2], RecordFileError) and "no record" in str(got[-2]), got
+    assert isinstance(got[-3], RecordFileError) and "cannot open" in str(got[-3]), got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", ["to_zero", "mid_record"])
+def test_record_input_file_truncated_while_read_names_it(tmp_path, cut):
+    path = tmp_path / "big.rec"
+    records = [bytes([i % 256]) * 1000 for i in range(4000)]  # 4 MB
+    write(path, records)
+    with RecordInput(
+        str(path), parallelism=1, buffer_size=1, batch_size=1, prefetch_batches=1, epochs=1
+    ) as ri:
+        assert ri.next_batch(timeout=BOUND_S).tolist() == [records[0]]
+        time.sleep(0.5)  # the reader fills its queue and waits
+        size = 0 if cut == "to_zero" else 3_000_000 + 7
+        os.truncate(path, size)
+        got = outcomes(ri, limit=5000)
+    errors = [e for e in got if isinstance(e, RecordError)]
+    assert len(errors) == 1 and got[-1] == "end", got[-3:]
+    assert isinstance(errors[0], RecordFileError), errors
+    assert errors[0].path == str(path)
+    assert "shrank while being read" in str(errors[0]) and str(4000 * 1016) in str(errors[0])
+
+
 def test_errors_are_exported():
     for name in ["RecordError", "RecordFileError", "CorruptRecordError", "ExampleParseError"]:
         assert issubclass(getattr(torch_stage, name), torch_stage.StageError)

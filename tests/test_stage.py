@@ -593,6 +593,222 @@ def test_cuda_consumer_stream_waits_for_the_copy():
             assert x.sum().item() == float(i) * (1 << 20)
 
 
+# --- resuming: state_dict / load_state_dict -------------------------------------
+
+
+class Reiterable:
+    """Not its own iterator: each iter() starts over."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+class StatefulSource:
+    """torchdata's Stateful protocol on an iterable (as StatefulDataLoader):
+    iterating after load_state_dict() continues from the loaded state."""
+
+    def __init__(self, n):
+        self.n = n
+        self.next = 0
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+    def __iter__(self):
+        while self.next < self.n:
+            self.next += 1
+            yield self.next - 1
+
+
+class StatefulIterator(StatefulSource):
+    """Stateful and its own iterator (as a torchdata node)."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.next >= self.n:
+            raise StopIteration
+        self.next += 1
+        return self.next - 1
+
+
+class Flaky(Reiterable):
+    """Re-iterable; its iterator raises KeyError at positions divisible by 7
+    and goes on after."""
+
+    def __iter__(self):
+        return _FlakyIter(self.n)
+
+
+class _FlakyIter:
+    def __init__(self, n):
+        self.i, self.n = 0, n
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = self.i
+        if i >= self.n:
+            raise StopIteration
+        self.i += 1
+        if i % 7 == 3:
+            raise KeyError(i)
+        return i
+
+
+N_ITEMS = 60
+RESUMABLE = {
+    "list": lambda: list(range(N_ITEMS)),
+    "reiterable": lambda: Reiterable(N_ITEMS),
+    "stateful": lambda: StatefulSource(N_ITEMS),
+    "stateful_iterator": lambda: StatefulIterator(N_ITEMS),
+    "stage": lambda: staged(list(range(N_ITEMS)), capacity=3, name="inner"),
+    "flaky": lambda: Flaky(N_ITEMS),
+}
+
+
+def make_resumable(kind, num_threads):
+    return staged(
+        RESUMABLE[kind](),
+        num_threads=num_threads,
+        capacity=4,
+        transform=lambda x: (jittery(x), x * 10),
+        ignored_exception_types=(KeyError,),
+    )
+
+
+def wait_for_buffered(stage):
+    deadline = time.monotonic() + HANG_BOUND_S
+    while stage._impl.buffered() == 0 and not stage._impl.finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("num_threads", [1, 4])
+@pytest.mark.parametrize("kind", sorted(RESUMABLE))
+def test_resume_at_random_cuts_yields_exactly_the_rest(tmp_path, kind, num_threads):
+    full = drain(make_resumable(kind, num_threads))
+    want = [(x, 10 * x) for x in range(N_ITEMS) if kind != "flaky" or x % 7 != 3]
+    assert full == want
+    rng = random.Random(14)
+    cuts = sorted(rng.sample(range(len(full) + 1), 20))
+    buffered_at_cut = 0
+    for cut in cuts:
+        stage = make_resumable(kind, num_threads)
+        stage.start()
+        it = iter(stage)
+        head = [next(it) for _ in range(cut)]
+        wait_for_buffered(stage)  # items produced ahead sit in the buffer
+        buffered_at_cut += stage._impl.buffered()
+        path = tmp_path / f"stage-{cut}.pt"
+        torch.save(stage.state_dict(), path)
+        stage.close()
+        resumed = make_resumable(kind, num_threads)
+        resumed.load_state_dict(torch.load(path))
+        assert head + drain(resumed) == full, f"cut at {cut}"
+    assert buffered_at_cut > 0
+
+
+@pytest.mark.parametrize("kind", ["list", "stateful", "stage"])
+def test_a_resumed_stage_saves_and_resumes_again(kind):
+    stage = make_resumable(kind, 4)
+    got = [next(iter(stage)) for _ in range(11)]
+    state = stage.state_dict()
+    stage.close()
+    for cut in (0, 17, 5):
+        stage = make_resumable(kind, 4)
+        stage.load_state_dict(state)
+        it = iter(stage)
+        got += [next(it) for _ in range(cut)]
+        state = stage.state_dict()
+        stage.close()
+    stage = make_resumable(kind, 4)
+    stage.load_state_dict(state)
+    assert got + drain(stage) == [(x, 10 * x) for x in range(N_ITEMS)]
+
+
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_a_torch_stage_dataloader_is_a_stateful_source(tmp_path, num_threads):
+    # Shuffled: only its own state (sampler generator included) resumes it.
+    def make():
+        loader = torch_stage.DataLoader(
+            list(range(40)),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return staged(loader, num_threads=num_threads, capacity=3)
+
+    full = [b.tolist() for b in make()]
+    assert sorted(x for b in full for x in b) == list(range(40))
+    for cut in (0, 3, 9, 10):
+        stage = make()
+        it = iter(stage)
+        head = [next(it).tolist() for _ in range(cut)]
+        torch.save(stage.state_dict(), tmp_path / "state.pt")
+        stage.close()
+        resumed = make()
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
+        assert head + [b.tolist() for b in resumed] == full, f"cut at {cut}"
+
+
+def test_the_state_of_a_finished_stage_resumes_to_nothing():
+    stage = make_resumable("list", 2)
+    assert len(drain(stage)) == N_ITEMS
+    state = stage.state_dict()
+    assert state["position"] == N_ITEMS and state["version"] == 1
+    resumed = make_resumable("list", 2)
+    resumed.load_state_dict(state)
+    assert drain(resumed) == []
+
+
+def test_resume_bad_use_is_a_clear_error():
+    started = staged([1, 2, 3])
+    state = started.state_dict()
+    next(iter(started))
+    with pytest.raises(RuntimeError, match="after it started"):
+        started.load_state_dict(state)
+    started.close()
+    with pytest.raises(RuntimeError, match="after it was closed"):
+        started.load_state_dict(state)
+
+    for source in ((x for x in range(3)), iter([1, 2]), lambda: 1):
+        stage = staged(source)
+        with pytest.raises(
+            TypeError, match=r"cannot be resumed: its source \(a .*\) is a callable or a one"
+        ):
+            stage.state_dict()
+        with pytest.raises(TypeError, match="cannot be resumed"):
+            stage.load_state_dict(state)
+        stage.close()
+    over_generator = staged(x for x in range(3))
+    with pytest.raises(TypeError, match="cannot be resumed"):
+        staged(over_generator).state_dict()
+    over_generator.close()
+
+    fresh = staged([1, 2, 3])
+    with pytest.raises(ValueError, match="reads state version 1, the state has version 2"):
+        fresh.load_state_dict(dict(state, version=2))
+    with pytest.raises(ValueError, match="not a torch_stage.Stage state"):
+        fresh.load_state_dict({"consumed": 3})
+    with pytest.raises(ValueError, match="saved over a 'iterable' source.*'stateful'"):
+        staged(StatefulSource(3)).load_state_dict(state)
+    with pytest.raises(ValueError, match="position must be an int >= 0, got -1"):
+        fresh.load_state_dict(dict(state, position=-1))
+    with pytest.raises(ValueError, match="ordered=False"):
+        staged([1, 2], num_threads=2, ordered=False).state_dict()
+    # One thread delivers in order even when unordered.
+    assert staged([1, 2], ordered=False).state_dict()["position"] == 0
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 

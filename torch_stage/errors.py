@@ -55,7 +55,9 @@ class RecordError(StageError):
 
 
 class RecordFileError(RecordError, OSError):
-    """No file matches a pattern, or a file cannot be opened, read or written."""
+    """No file matches a pattern; a file cannot be opened, read or written, or
+    shrank while being read; or a RecordInput with ``epochs=None`` read no
+    record in a whole pass over its files (the message names them)."""
 
 
 class CorruptRecordError(RecordError):

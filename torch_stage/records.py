@@ -577,6 +577,21 @@ class RecordInput:
     skipped), so a stage may skip and count such errors. Several threads may
     call ``next`` at once; each batch goes to one of them.
 
+    Files without records: an empty file is a valid file of no records and
+    adds nothing. A pass over the files that yields no record at all (every
+    file empty, unreadable, deleted, or failing before its first complete
+    record, whose errors come first) ends the data, because the next pass
+    would find nothing again: with a finite ``epochs`` cleanly
+    (``StopIteration``, as an empty dataset; the remaining passes are not
+    spun through), with ``epochs=None`` by raising a
+    :class:`~torch_stage.RecordFileError` naming the files, then
+    ``StopIteration``: repeating forever over files without a record could
+    never give an item, and a quiet end would hide the mistake. A file cut
+    short while being read (truncated or rewritten in place) raises
+    :class:`~torch_stage.RecordFileError` ("shrank while being read")
+    rather than ending early; one deleted raises it ("cannot open") when a
+    later pass reaches it.
+
     Args:
         file_pattern: a path, glob pattern, or list of them.
         parallelism: reader threads (at most one per file).

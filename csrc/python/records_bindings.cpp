@@ -37,6 +37,7 @@ const char* python_class(RecordErrorKind kind) {
   switch (kind) {
     case RecordErrorKind::kNotFound:
     case RecordErrorKind::kIo:
+    case RecordErrorKind::kNoRecords:
       return "RecordFileError";
     case RecordErrorKind::kTruncated:
     case RecordErrorKind::kCorrupt:

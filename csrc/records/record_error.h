@@ -24,6 +24,7 @@ enum class RecordErrorKind {
   kIo, // open/read/write failed (errno text in the message)
   kTruncated, // the file ends inside a record
   kCorrupt, // a CRC mismatch, or a compressed stream that does not inflate
+  kNoRecords, // a whole pass over a reader's files yielded no record
   kNotExample, // bytes that are not a serialized tf.train.Example
   kMissingFeature, // a required key is absent from an Example
   kWrongType, // a feature holds another list type than the spec asks for

@@ -252,6 +252,9 @@ RecordInput::Pull RecordInput::pull(
     std::exception_ptr* error) {
   while (true) {
     if (active_ == 0) {
+      if (epoch_records_ == 0) {
+        return options_.epochs < 0 ? Pull::kBarren : Pull::kExhausted;
+      }
       const int64_t next = epoch_.load(std::memory_order_relaxed) + 1;
       if (options_.epochs >= 0 && next >= options_.epochs) {
         return Pull::kExhausted;
@@ -260,6 +263,7 @@ RecordInput::Pull RecordInput::pull(
       std::fill(epoch_done_.begin(), epoch_done_.end(), false);
       active_ = readers_;
       turn_ = 0;
+      epoch_records_ = 0;
     }
     while (epoch_done_[turn_]) {
       turn_ = (turn_ + 1) % readers_;
@@ -293,9 +297,32 @@ RecordInput::Pull RecordInput::pull(
       }
     }
     *record = std::move(cur.chunk.records[cur.next++]);
+    ++epoch_records_;
     turn_ = (r + 1) % readers_;
     return Pull::kRecord;
   }
+}
+
+std::exception_ptr RecordInput::no_records_error() const {
+  // Name every file, up to a bound that keeps the message readable.
+  constexpr size_t kNamed = 8;
+  std::string names;
+  for (size_t i = 0; i < files_.size() && i < kNamed; ++i) {
+    names += (i == 0 ? "'" : ", '") + files_[i] + "'";
+  }
+  if (files_.size() > kNamed) {
+    names += " and " + std::to_string(files_.size() - kNamed) + " more";
+  }
+  return std::make_exception_ptr(RecordError(
+      RecordErrorKind::kNoRecords,
+      "RecordInput read no record in a whole pass (epoch " +
+          std::to_string(epoch_.load(std::memory_order_relaxed)) +
+          ") over its " + std::to_string(files_.size()) + " file(s): " + names +
+          ". Each is empty, unreadable, or fails before its first complete "
+          "record (its error came before this one); with epochs=None the "
+          "passes would repeat forever without an item. Give files that "
+          "hold records, or a finite number of epochs",
+      files_.size() == 1 ? files_[0] : std::string()));
 }
 
 void RecordInput::mixer_main() {
@@ -306,6 +333,7 @@ void RecordInput::mixer_main() {
   std::vector<std::string> pool;
   pool.reserve(capacity);
   bool exhausted = false;
+  bool barren = false; // end with no_records_error() once the pool drains
   bool emitting = false; // set once the pool first reaches the threshold
   size_t mean_record = 256; // running estimate, to reserve batch buffers
 
@@ -340,8 +368,9 @@ void RecordInput::mixer_main() {
         if (got == Pull::kStopped) {
           return;
         }
-        if (got == Pull::kExhausted) {
+        if (got == Pull::kExhausted || got == Pull::kBarren) {
           exhausted = true;
+          barren = got == Pull::kBarren;
           break;
         }
         if (got == Pull::kError || got == Pull::kFatal) {
@@ -366,6 +395,14 @@ void RecordInput::mixer_main() {
         if (current.batch.size() > 0) {
           batches_out_.fetch_add(1, std::memory_order_relaxed);
           if (!emit(current)) {
+            return;
+          }
+        }
+        if (barren) {
+          errors_.fetch_add(1, std::memory_order_relaxed);
+          Item failed;
+          failed.error = no_records_error();
+          if (!emit(failed)) {
             return;
           }
         }

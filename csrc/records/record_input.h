@@ -37,6 +37,16 @@
 // then take() reports kClosed. Records of epoch e+1 join the pool while
 // records of epoch e are still in it, as in TensorFlow.
 //
+// A pass that yields no record (every file empty, unreadable, deleted, or
+// failing before its first complete record) ends the data: the next pass
+// would read the same files and find nothing again, so repeating it could
+// only spin (or repeat the same errors without end). After that pass's
+// errors and the records still in the pool:
+//   - epochs >= 1: kClosed, a clean end, as for an empty finite dataset;
+//   - epochs < 0: a RecordError kNoRecords naming the files, then kClosed.
+//     "Forever" over files without a record can never give an item, so
+//     ending quietly would hide the mistake and spinning would hang.
+//
 // Errors
 // ------
 // A reader that hits a bad file (truncated, bad CRC, unreadable) sends the
@@ -165,12 +175,14 @@ class RecordInput {
   };
   using ChunkQueue = BoundedBuffer<Chunk>;
   using OutputQueue = BoundedBuffer<Item>;
-  enum class Pull { kRecord, kError, kFatal, kExhausted, kStopped };
+  // kBarren: a whole pass yielded no record, with epochs < 0 (see Epochs).
+  enum class Pull { kRecord, kError, kFatal, kExhausted, kBarren, kStopped };
 
   BufferStatus finish_take(BufferStatus status, Item& item, RecordBatch* out);
   std::vector<std::string> epoch_order(int64_t epoch) const;
   void reader_main(size_t reader);
   void mixer_main();
+  std::exception_ptr no_records_error() const;
   Pull pull(std::string* record, std::exception_ptr* error);
 
   const RecordInputOptions options_;
@@ -200,6 +212,7 @@ class RecordInput {
   std::vector<bool> epoch_done_;
   size_t active_ = 0; // readers not yet done with epoch_
   size_t turn_ = 0; // the reader whose record comes next
+  int64_t epoch_records_ = 0; // records pulled in epoch_
 
   // Counters for stats(): written by the worker threads, read by anyone.
   std::atomic<int64_t> records_read_{0};

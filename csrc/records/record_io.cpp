@@ -1,6 +1,7 @@
 #include "records/record_io.h"
 
 #include <glob.h>
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -25,6 +26,8 @@ const char* to_string(RecordErrorKind kind) {
       return "truncated";
     case RecordErrorKind::kCorrupt:
       return "corrupt";
+    case RecordErrorKind::kNoRecords:
+      return "no records";
     case RecordErrorKind::kNotExample:
       return "not an Example";
     case RecordErrorKind::kMissingFeature:
@@ -93,6 +96,10 @@ class FileInput : public InputStream {
           path);
     }
     std::setvbuf(file_, nullptr, _IOFBF, kIoBuffer);
+    struct stat st;
+    if (::fstat(::fileno(file_), &st) == 0 && S_ISREG(st.st_mode)) {
+      size_at_open_ = static_cast<uint64_t>(st.st_size);
+    }
   }
   ~FileInput() override {
     std::fclose(file_);
@@ -107,12 +114,30 @@ class FileInput : public InputStream {
           "cannot read TFRecord file '" + path_ + "': " + errno_text(err),
           path_);
     }
+    position_ += got;
+    // A file cut shorter after it was opened (truncated or rewritten in
+    // place) would otherwise end "cleanly" at a record boundary and lose
+    // the rest without a word: report the change instead.
+    if (got < n && position_ < size_at_open_) {
+      throw RecordError(
+          RecordErrorKind::kIo,
+          "TFRecord file '" + path_ + "' shrank while being read: it held " +
+              std::to_string(size_at_open_) +
+              " bytes when opened, reading ends at byte " +
+              std::to_string(position_) + " (was it truncated or rewritten?)",
+          path_,
+          static_cast<int64_t>(position_));
+    }
     return got;
   }
 
  private:
   std::string path_;
   std::FILE* file_ = nullptr;
+  uint64_t position_ = 0; // bytes read so far
+  // The size of a regular file when opened; 0 for pipes and the like, whose
+  // size says nothing.
+  uint64_t size_at_open_ = 0;
 };
 
 // Inflates a GZIP (windowBits 16+15) or ZLIB (15) stream read from a file.

@@ -68,7 +68,9 @@ class RecordReader {
   // Reads the next record into *out (replacing its contents). Returns false
   // at a clean end of file (between records). Throws RecordError kTruncated
   // (the file ends inside a record), kCorrupt (CRC mismatch, bad compressed
-  // data) or kIo. A reader that threw stays failed: later calls throw kIo
+  // data) or kIo (a read failed, or the file shrank below its size when
+  // opened: truncated or rewritten while read, which must not pass for a
+  // clean end). A reader that threw stays failed: later calls throw kIo
   // ("stopped by an earlier error"), since the framing cannot be resynced.
   bool read(std::string* out);
 

@@ -334,6 +334,147 @@ TEST(RecordInput, ACorruptFileRaisesAtItsPositionAndTheRestFollows) {
   }
 }
 
+// ---------------------------------------------------------------- bad files
+//
+// A whole pass without a record must end the data (finite epochs) or fail
+// naming the files (epochs < 0); before, it spun through empty passes.
+
+// What successive takes give: "n" for a batch of n records, the error kind,
+// "end", or "hang" when a wait outlasts kHangBound.
+std::vector<std::string> outcomes(RecordInput& input, size_t limit = 50) {
+  std::vector<std::string> got;
+  while (got.size() < limit) {
+    RecordBatch b;
+    BufferStatus status;
+    try {
+      status = input.try_take_until(&b, RecordInput::Clock::now() + kHangBound);
+    } catch (const RecordError& e) {
+      got.emplace_back(to_string(e.kind()));
+      continue;
+    }
+    if (status == BufferStatus::kClosed) {
+      got.emplace_back("end");
+      break;
+    }
+    if (status != BufferStatus::kOk) {
+      got.emplace_back("hang");
+      break;
+    }
+    got.push_back(std::to_string(b.size()));
+  }
+  return got;
+}
+
+TEST(RecordInput, ForeverOverEmptyFilesFailsNamingThem) {
+  TempDir dir;
+  write_raw(dir.file("a.rec"), "");
+  write_raw(dir.file("b.rec"), "");
+  auto opts = options(dir);
+  opts.epochs = -1;
+  RecordInput input(opts);
+  RecordBatch b;
+  try {
+    input.try_take_until(&b, RecordInput::Clock::now() + kHangBound);
+    FAIL() << "expected a kNoRecords error";
+  } catch (const RecordError& e) {
+    EXPECT_EQ(e.kind(), RecordErrorKind::kNoRecords);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'" + dir.file("a.rec") + "'"), std::string::npos);
+    EXPECT_NE(what.find("'" + dir.file("b.rec") + "'"), std::string::npos);
+    EXPECT_NE(what.find("epochs=None"), std::string::npos) << what;
+  }
+  EXPECT_EQ(outcomes(input), std::vector<std::string>{"end"});
+}
+
+TEST(RecordInput, FiniteEpochsOverEmptyFilesEndAfterOnePass) {
+  TempDir dir;
+  write_raw(dir.file("a.rec"), "");
+  auto opts = options(dir);
+  opts.epochs = int64_t{1} << 40; // would spin for days pass by pass
+  RecordInput input(opts);
+  EXPECT_EQ(outcomes(input), std::vector<std::string>{"end"});
+  EXPECT_EQ(input.stats().epoch, 0);
+}
+
+TEST(RecordInput, NoCompleteRecordIsItsErrorThenTheEnd) {
+  TempDir dir;
+  write_raw(dir.file("t.rec"), std::string("\x05\x00\x00", 3));
+  for (const int64_t epochs : {int64_t{-1}, int64_t{3}}) {
+    auto opts = options(dir);
+    opts.epochs = epochs;
+    RecordInput input(opts);
+    const std::vector<std::string> want = epochs < 0
+        ? std::vector<std::string>{"truncated", "no records", "end"}
+        : std::vector<std::string>{"truncated", "end"};
+    EXPECT_EQ(outcomes(input), want) << "epochs " << epochs;
+  }
+}
+
+TEST(RecordInput, EmptyFilesAmongOthersAddNothing) {
+  TempDir dir;
+  make_files(dir, 2, 7);
+  write_raw(dir.file("e0.rec"), "");
+  write_raw(dir.file("e1.rec"), "");
+  auto opts = options(dir);
+  opts.parallelism = 4;
+  opts.epochs = 2;
+  RecordInput input(opts);
+  auto got = flatten(drain(input));
+  std::sort(got.begin(), got.end());
+  std::vector<std::string> want;
+  for (int e = 0; e < 2; ++e) {
+    for (int k = 0; k < 2; ++k) {
+      for (int i = 0; i < 7; ++i) {
+        want.push_back(rec(k, i));
+      }
+    }
+  }
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+}
+
+TEST(RecordInput, AFileCutShortWhileReadIsAnIoErrorNamingIt) {
+  TempDir dir;
+  const std::string path = dir.file("big.rec");
+  write_records(path, std::vector<std::string>(2000, std::string(1000, 'x')));
+  auto opts = options(dir);
+  opts.parallelism = 1;
+  opts.buffer_size = 1;
+  opts.batch_size = 1;
+  opts.prefetch_batches = 1;
+  opts.chunk_records = 1;
+  opts.reader_queue_chunks = 1;
+  RecordInput input(opts);
+  RecordBatch b;
+  ASSERT_EQ(
+      input.try_take_until(&b, RecordInput::Clock::now() + kHangBound),
+      BufferStatus::kOk);
+  // The reader now waits on its full queue, its file half read at most.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  write_raw(path, "");
+  int errors = 0;
+  while (true) {
+    BufferStatus status;
+    try {
+      status = input.try_take_until(&b, RecordInput::Clock::now() + kHangBound);
+    } catch (const RecordError& e) {
+      ++errors;
+      EXPECT_EQ(e.kind(), RecordErrorKind::kIo);
+      EXPECT_EQ(e.path(), path);
+      EXPECT_NE(
+          std::string(e.what()).find("shrank while being read"),
+          std::string::npos)
+          << e.what();
+      continue;
+    }
+    ASSERT_NE(status, BufferStatus::kTimeout);
+    if (status == BufferStatus::kClosed) {
+      break;
+    }
+  }
+  EXPECT_EQ(errors, 1);
+}
+
 TEST(RecordInput, BadOptionsFailBeforeAnyThread) {
   TempDir dir;
   make_files(dir, 2, 1);

@@ -217,6 +217,36 @@ TEST(RecordReader, MissingFileIsNotFound) {
   EXPECT_NE(std::string(e.what()).find("nope"), std::string::npos);
 }
 
+TEST(RecordReader, AFileCutShortWhileReadIsAnIoErrorNotAnEnd) {
+  TempDir dir;
+  const std::string path = dir.file("big");
+  // Larger than the reader's 256 KiB buffer, so the cut lands unread.
+  write_records(path, std::vector<std::string>(1000, std::string(1000, 'x')));
+  RecordReader reader(path, Compression::kNone);
+  std::string record;
+  ASSERT_TRUE(reader.read(&record));
+  write_raw(path, ""); // truncated to zero, at a record boundary for the
+                       // reader: without the check, a clean end
+  const auto e = expect_error([&] {
+    while (reader.read(&record)) {
+    }
+  });
+  EXPECT_EQ(e.kind(), RecordErrorKind::kIo) << e.what();
+  EXPECT_EQ(e.path(), path);
+  const std::string what = e.what();
+  EXPECT_NE(what.find("shrank while being read"), std::string::npos) << what;
+  EXPECT_NE(what.find("1016000 bytes when opened"), std::string::npos) << what;
+}
+
+TEST(RecordReader, AnEmptyFileIsACleanEnd) {
+  TempDir dir;
+  write_raw(dir.file("empty"), "");
+  RecordReader reader(dir.file("empty"), Compression::kNone);
+  std::string record;
+  EXPECT_FALSE(reader.read(&record));
+  EXPECT_FALSE(reader.read(&record));
+}
+
 TEST(RecordWriter, UnwritablePathIsAnIoError) {
   TempDir dir;
   const auto e = expect_error(

@@ -2,6 +2,7 @@
 for every spelling of an in-place write; and plans over graphs with such
 writes checked by the stream sanitizer, not by the planner's own analysis."""
 
+import copy
 import operator
 
 import pytest
@@ -163,3 +164,65 @@ def test_a_reshape_that_copies_is_device_work_not_an_alias():
         out = model(x)
     assert sanitizer.races == []
     torch.testing.assert_close(out, _ReshapeCopies()(x))
+
+
+# Batch norm's running statistics: written in training, though
+# native_batch_norm's schema takes them as plain inputs (the one documented
+# exception, torch_stage.fx.effects.understated_writes).
+@pytest.mark.parametrize(
+    "call, written",
+    [
+        (lambda g, x, m, v: g.call_function(F.batch_norm, (x, m, v), {"training": True}), True),
+        (lambda g, x, m, v: g.call_function(F.batch_norm, (x, m, v), {"training": False}), False),
+        (
+            lambda g, x, m, v: g.call_function(
+                torch.ops.aten.native_batch_norm.default, (x, None, None, m, v, True, 0.1, 1e-5)
+            ),
+            True,
+        ),
+        (
+            lambda g, x, m, v: g.call_function(
+                torch.batch_norm, (x, None, None, m, v, False, 0.1, 1e-5, False)
+            ),
+            False,
+        ),
+    ],
+    ids=[
+        "F.batch_norm-train",
+        "F.batch_norm-eval",
+        "native_batch_norm-train",
+        "torch.batch_norm-eval",
+    ],
+)
+def test_batch_norm_running_stats_are_written_in_training(call, written):
+    g = torch.fx.Graph()
+    x, m, v = g.placeholder("x"), g.placeholder("m"), g.placeholder("v")
+    assert {a.name for a in written_args(call(g, x, m, v))} == ({"m", "v"} if written else set())
+
+
+class _SharedStats(torch.nn.Module):
+    """Two towers normalised with one set of running statistics (a shared
+    functional batch norm): both update the same buffers in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        ya = F.batch_norm(self.a(x), self.mean, self.var, training=True)
+        yb = F.batch_norm(self.b(x), self.mean, self.var, training=True)
+        return ya + yb
+
+
+def test_shared_running_stats_are_ordered_across_streams():
+    x = torch.randn(4, 8)
+    eager = _SharedStats()
+    model = torch_stage.multi_stream(copy.deepcopy(eager), num_streams=4, strategy="min_sync")
+    with torch_stage.sanitize_streams() as sanitizer:
+        out = model(x)
+    assert sanitizer.races == []
+    torch.testing.assert_close(out, eager(x))
+    torch.testing.assert_close(model.mean, eager.mean)

@@ -20,8 +20,10 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   ops, ``out=``, ``_foreach_*_``, fused optimizers, setitem), one with a
   non-write alias set is only viewed (no access), every other tensor
   argument is read, and a fresh output is written (and allocated) on the
-  current stream. No list of op names. Accesses are tracked per storage,
-  so views and the base they share memory with are one.
+  current stream. No list of op names; the one write schemas leave out
+  (batch norm's running statistics in training) comes from
+  ``torch_stage.fx.effects.understated_writes``. Accesses are tracked per
+  storage, so views and the base they share memory with are one.
 * An access that is not ordered after a conflicting access on another
   stream (read after write, write after read, write after write) is a
   race. So is a free that the caching allocator could turn into one: a
@@ -71,6 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_stage import _C
 from torch_stage.errors import StreamRaceError
+from torch_stage.fx.effects import understated_writes
 
 __all__ = ["StreamAccess", "StreamRace", "StreamSanitizer", "sanitize_streams"]
 
@@ -529,6 +532,7 @@ class StreamSanitizer(TorchDispatchMode):
             stream = self._op_stream()
             reads: List[torch.Tensor] = []
             writes: List[torch.Tensor] = []
+            named = {}
             for i, arg in enumerate(schema.arguments):
                 if arg.kwarg_only or i >= len(args):
                     if arg.name not in kwargs:
@@ -536,6 +540,7 @@ class StreamSanitizer(TorchDispatchMode):
                     value = kwargs[arg.name]
                 else:
                     value = args[i]
+                named[arg.name] = value
                 info = arg.alias_info
                 if info is not None and not info.is_write:
                     continue  # a view: no data access
@@ -544,6 +549,11 @@ class StreamSanitizer(TorchDispatchMode):
                     writes.extend(tensors)
                 else:
                     reads.extend(tensors)
+            # Writes the schema leaves out (batch norm's running statistics).
+            for value in understated_writes(named):
+                for t in _tensors(value):
+                    reads = [r for r in reads if r is not t]
+                    writes.append(t)
             if reads or writes:
                 seq = self._tick(stream)
                 node, frames = self._where()

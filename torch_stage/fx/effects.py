@@ -21,13 +21,17 @@ with no trailing ``_``), so the answer is taken from the ops themselves:
 
 Schemas understate a few writes, written down here with a test each
 (tests/test_fx_effects.py): batch norm's running statistics in training
-(``native_batch_norm`` takes them as plain inputs), handled where modules
-are classified (torch_stage/fx/partition.py); RNG state, which the rewrite
-keeps by issuing random ops in their original order.
+(``native_batch_norm`` and ``F.batch_norm`` take them as plain inputs),
+by their argument names here (:func:`understated_writes`, which the stream
+sanitizer uses too) and for modules where modules are classified
+(torch_stage/fx/partition.py); RNG state, which the rewrite keeps by
+issuing random ops in their original order (tests/test_streams.py: the
+``random_branches`` zoo model is bit-identical to eager).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -36,21 +40,73 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["written_args"]
+__all__ = ["understated_writes", "written_args"]
 
 
 def written_args(n: torch.fx.Node) -> List[Any]:
     """The values among ``n``'s arguments (nodes or lists of nodes) that
     ``n`` writes, for ``call_function`` and ``call_method`` nodes."""
-    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-        return _by_schemas([n.target._schema], n.args, n.kwargs)
     if n.op not in ("call_function", "call_method"):
         return []
-    if _probe_safe(n):
-        probed = _probe(n)
-        if probed is not None:
-            return probed
-    return _by_schemas(_schemas(n), n.args, n.kwargs)
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        found = _by_schemas([n.target._schema], n.args, n.kwargs)
+    else:
+        found = _probe(n) if _probe_safe(n) else None
+        if found is None:
+            found = _by_schemas(_schemas(n), n.args, n.kwargs)
+    for value in _running_stats(n):
+        if not any(value is f for f in found):
+            found.append(value)
+    return found
+
+
+#: Arguments whose writes schemas leave out (see the module doc).
+_RUNNING_STATS = ("running_mean", "running_var")
+
+
+def understated_writes(arguments: Dict[str, Any]) -> List[Any]:
+    """The values among a call's ``arguments`` (name -> value) that it writes
+    although its schema does not say so: batch norm's running statistics,
+    when ``training`` is true.
+
+    ``native_batch_norm`` and ``F.batch_norm`` take them as plain inputs and
+    update them in place in training. The rule is on the argument names,
+    which every batch-norm spelling shares (ATen schemas and the Python
+    functions alike), not on op names. The stream sanitizer applies it to
+    every ATen op it sees (torch_stage/sanitizer.py).
+    """
+    if arguments.get("training") is not True:
+        return []
+    return [arguments[a] for a in _RUNNING_STATS if arguments.get(a) is not None]
+
+
+def _running_stats(n: torch.fx.Node) -> List[Any]:
+    bound = _bind(n)
+    if not bound:
+        return []
+    return [v for v in understated_writes(bound) if isinstance(v, torch.fx.Node)]
+
+
+def _bind(n: torch.fx.Node) -> Optional[Dict[str, Any]]:
+    """``n``'s arguments by name, from its Python signature or its schemas."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        schemas = [n.target._schema]
+    elif n.op == "call_function":
+        try:
+            signature = inspect.signature(n.target)
+            return dict(signature.bind(*n.args, **n.kwargs).arguments)
+        except (TypeError, ValueError):
+            schemas = _schemas(n)
+    else:
+        schemas = _schemas(n)
+    for schema in schemas:
+        names = [a.name for a in schema.arguments]
+        if not set(_RUNNING_STATS) <= set(names) or "training" not in names:
+            continue
+        values = dict(zip(names, n.args))
+        values.update(n.kwargs)
+        return values
+    return None
 
 
 def _probe_safe(n: torch.fx.Node) -> bool:

@@ -233,11 +233,9 @@ class StreamSanitizer(TorchDispatchMode):
 
     def __init__(self, raise_on_race: bool = True, stacks: bool = True):
         super().__init__()
-        if not isinstance(raise_on_race, bool):
-            raise TypeError(
-                f"raise_on_race must be a bool, got {type(raise_on_race).__name__} "
-                f"({raise_on_race!r})"
-            )
+        for name, value in (("raise_on_race", raise_on_race), ("stacks", stacks)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
         self.raise_on_race = raise_on_race
         self.stacks = stacks
         self.races: List[StreamRace] = []
@@ -247,12 +245,13 @@ class StreamSanitizer(TorchDispatchMode):
         self._threads: Dict[int, _Thread] = {}
         self._runs: Dict[int, _Run] = {}
         self._events: Dict[Tuple[int, int], _Clock] = {}
-        self._scopes: Dict[int, Tuple[int, str, str]] = {}
+        # scope id -> (id, enclosing stream, target stream, entering thread)
+        self._scopes: Dict[int, Tuple[int, str, str, int]] = {}
         self._pending: List[StreamRace] = []
         # Allocation stream -> storages freed onto it while an access on
         # another stream was pending: (id, shape, those accesses).
         self._freed: Dict[str, List[Tuple[int, Tuple[int, ...], List[StreamAccess]]]] = {}
-        self._entered: Dict[int, int] = {}  # thread -> depth of its `with`
+        self._entered: Set[int] = set()  # threads inside `with self:`
         self.ops_seen = 0
 
     # -- entering and leaving --------------------------------------------
@@ -278,7 +277,7 @@ class StreamSanitizer(TorchDispatchMode):
                 )
             _check_not_capturing()
             first = not self._entered
-            self._entered[me] = 1
+            self._entered.add(me)
         if first:
             _install(self)
         return super().__enter__()
@@ -287,7 +286,7 @@ class StreamSanitizer(TorchDispatchMode):
         super().__exit__(exc_type, exc, tb)
         me = threading.get_ident()
         with self._lock:
-            self._entered.pop(me, None)
+            self._entered.discard(me)
             last = not self._entered
         if last:
             _uninstall(self)

@@ -59,6 +59,7 @@ interpreter); the error type and the TorchScript traceback remain.
 
 from __future__ import annotations
 
+import atexit
 import linecache
 import os
 import re
@@ -757,4 +758,6 @@ def _enable_from_environment() -> Optional[StreamSanitizer]:
         raise ValueError(f"TORCH_STAGE_SANITIZE must be 0 or 1, got {value!r}")
     sanitizer = sanitize_streams()
     sanitizer.__enter__()
+    # Runs freed while the interpreter finalizes must not call back into it.
+    atexit.register(_uninstall, sanitizer)
     return sanitizer

@@ -389,6 +389,20 @@ def test_accelerate_warns_when_it_would_drop_staging(accelerate):
     assert not [w for w in caught if "torch_stage" in str(w.message)]
 
 
+@pytest.mark.timeout(60)
+def test_accelerate_prepare_warns_for_a_wrapper_it_cannot_restage(accelerate, monkeypatch):
+    accelerator = accelerate.Accelerator(cpu=True)
+
+    class XlaLikeWrapper:  # holds its loader elsewhere than base_dataloader
+        pass
+
+    monkeypatch.setattr(accelerator, "prepare", lambda *objects: XlaLikeWrapper())
+    loader = make_loader(torch_stage.DataLoader)
+    with pytest.warns(UserWarning, match=r"XlaLikeWrapper.*capacity=3.*is dropped") as caught:
+        torch_stage.integrations.accelerate_prepare(accelerator, loader)
+    assert caught[0].filename == __file__
+
+
 @pytest.mark.timeout(180)
 def test_accelerate_two_processes_match_the_plain_loader(accelerate, tmp_path):
     results = run_distributed(tmp_path, "accelerate")

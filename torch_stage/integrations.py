@@ -18,6 +18,7 @@ gradient accumulation stay Accelerate's own, and batches are staged.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch.utils.data
@@ -79,6 +80,16 @@ def _restage_wrapper(wrapped, staging: dict):
         # a plain DataLoader over a skipping batch sampler.
         if type(wrapped) is torch.utils.data.DataLoader:
             return _restaged(wrapped, staging)
+        # XLA's MpDeviceLoaderWrapper, or a wrapper a later Accelerate
+        # introduces: it works, unstaged, and says so.
+        warnings.warn(
+            f"accelerate returned a {type(wrapped).__module__}.{type(wrapped).__qualname__} "
+            f"that torch_stage.integrations cannot put a staged loader into, so the staging "
+            f"({', '.join(f'{k}={v!r}' for k, v in staging.items())}) is dropped; batches come "
+            "from a plain DataLoader. Report the accelerate version and setup to torch_stage.",
+            UserWarning,
+            stacklevel=3,
+        )
         return wrapped
     staged = _restaged(plain, staging)
     wrapped.base_dataloader = staged

@@ -10,7 +10,7 @@ from torch_stage import _library
 _C = _library.load()
 
 from torch_stage import compile_backend as _compile_backend  # noqa: E402
-from torch_stage import fx  # noqa: E402, F401  (torch_stage.fx and its op registrations)
+from torch_stage import fx, integrations  # noqa: E402, F401  (fx: its op registrations)
 from torch_stage._build_info import build_info  # noqa: E402
 from torch_stage._library import library_path  # noqa: E402
 from torch_stage.compile_backend import Backend, backend  # noqa: E402

@@ -22,7 +22,7 @@ import torch.utils.data
 
 from torch_stage.stage import Stage, staged
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "STAGING_OPTIONS"]
 
 _STATE_VERSION = 1
 _T_co = TypeVar("_T_co", covariant=True)
@@ -234,6 +234,49 @@ class _Run:
         self.demand.release()
 
 
+# The keyword-only arguments a torch_stage.DataLoader adds, kept as attributes
+# of the same names: what a rebuilt loader must carry over to stage the same.
+STAGING_OPTIONS = (
+    "device",
+    "capacity",
+    "num_threads",
+    "stage_subgraph_stream_id",
+    "transform",
+    "timeout_millis",
+    "name",
+)
+# Accelerate's functions that rebuild a loader as a plain DataLoader from its
+# attributes (accelerate/data_loader.py, 0.3x to 1.x); both read
+# prefetch_factor while doing so.
+_ACCELERATE_MODULE = "accelerate.data_loader"
+_ACCELERATE_REBUILDERS = frozenset({"prepare_data_loader", "skip_first_batches"})
+
+
+def _accelerate_rebuilding(frame) -> bool:
+    """Whether ``frame`` is Accelerate's rebuild reading a loader attribute:
+    the frames from it back to the first outside accelerate.data_loader
+    include prepare_data_loader or skip_first_batches (a dict comprehension
+    or DataLoaderAdapter.__getattr__ may sit between)."""
+    while frame is not None and frame.f_globals.get("__name__") == _ACCELERATE_MODULE:
+        if frame.f_code.co_name in _ACCELERATE_REBUILDERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _outside_accelerate_stacklevel(frame) -> int:
+    """The warnings.warn stacklevel, from the property getter, of the first
+    frame outside Accelerate and torch_stage: the user's prepare() line."""
+    level = 2  # the getter's caller
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith("accelerate") or module.startswith("torch_stage")):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches are staged.
 
@@ -365,6 +408,38 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._prepared: Optional[_SkippingSampler] = None
         self._epoch: Optional[dict] = None  # the epoch in progress
         self._resume: Optional[dict] = None  # set by load_state_dict
+
+    # A data descriptor over the instance's own __dict__ entry, so that
+    # vars(loader) still has prefetch_factor (PyTorch Lightning rebuilds a
+    # loader from vars() and the signature) and pickling is unchanged.
+    #
+    # Why a property at all: Accelerate's prepare_data_loader and
+    # skip_first_batches rebuild the loader as a plain
+    # torch.utils.data.DataLoader from its attributes, with no hook for the
+    # loader's class, so staging would vanish without a word. Both read
+    # prefetch_factor while rebuilding; that read is the one place this
+    # loader can notice and say what to do instead.
+    @property
+    def prefetch_factor(self) -> Optional[int]:
+        frame = sys._getframe(1)
+        quiet = self.__dict__.get("_accelerate_integration", False)
+        if not quiet and _accelerate_rebuilding(frame):
+            warnings.warn(
+                f"accelerate is rebuilding torch_stage.DataLoader {self.name or 'dataloader'!r} "
+                "as a plain torch.utils.data.DataLoader, so its staging ("
+                + ", ".join(f"{key}={getattr(self, key)!r}" for key in STAGING_OPTIONS)
+                + ") is dropped. Use torch_stage.integrations.accelerate_prepare(accelerator, "
+                "...) instead of accelerator.prepare(...), and "
+                "torch_stage.integrations.accelerate_skip_first_batches(accelerator, loader, n) "
+                "instead of accelerator.skip_first_batches(loader, n).",
+                UserWarning,
+                stacklevel=_outside_accelerate_stacklevel(frame),
+            )
+        return self.__dict__.get("prefetch_factor")
+
+    @prefetch_factor.setter
+    def prefetch_factor(self, value: Optional[int]) -> None:
+        self.__dict__["prefetch_factor"] = value
 
     def _make_stage(self, source) -> Stage:
         # Read from the attributes each time, so that what a user (or a

@@ -128,23 +128,8 @@ StreamRun::StreamRun(
   }
   forked_ = side_streams;
   recorded_.assign(static_cast<size_t>(num_events), false);
-  {
-    std::lock_guard<std::recursive_mutex> lock(live_mutex());
-    auto& live = live_runs();
-    // Ids of runs finished or destroyed on other threads stay behind here.
-    tls_runs.erase(
-        std::remove_if(
-            tls_runs.begin(),
-            tls_runs.end(),
-            [&](int64_t id) { return live.count(id) == 0; }),
-        tls_runs.end());
-    live[id_] = this;
-    tls_runs.push_back(id_);
-  }
-  if (stream_observer_active()) {
-    notify("fork", id_, num_streams_, -1, forked_);
-  }
   if (!device_ || !has_streams(device_->type())) {
+    register_live();
     return;
   }
   impl_ = c10::impl::getDeviceGuardImpl(device_->type());
@@ -163,6 +148,29 @@ StreamRun::StreamRun(
     for (const int64_t s : forked_) {
       own_events_[0].block(streams_[s]);
     }
+  }
+  register_live();
+}
+
+void StreamRun::register_live() {
+  // Last in the constructor, after the note (an observer may throw): a
+  // constructor that throws gets no destructor, and the registry must never
+  // hold a run that does not exist.
+  if (stream_observer_active()) {
+    notify("fork", id_, num_streams_, -1, forked_);
+  }
+  {
+    std::lock_guard<std::recursive_mutex> lock(live_mutex());
+    auto& live = live_runs();
+    // Ids of runs finished or destroyed on other threads stay behind here.
+    tls_runs.erase(
+        std::remove_if(
+            tls_runs.begin(),
+            tls_runs.end(),
+            [&](int64_t id) { return live.count(id) == 0; }),
+        tls_runs.end());
+    live[id_] = this;
+    tls_runs.push_back(id_);
   }
 }
 

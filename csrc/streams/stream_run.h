@@ -123,6 +123,9 @@ class StreamRun : public torch::CustomClassHolder {
   }
 
  private:
+  // Enters the run in the thread's and the process's registries (for
+  // abort_thread_runs) and notes the fork to the StreamObserver.
+  void register_live();
   void check_usable(const char* op) const;
   void check_stream(const char* op, int64_t stream) const;
   void check_event(const char* op, int64_t event) const;

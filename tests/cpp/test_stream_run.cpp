@@ -153,6 +153,19 @@ TEST(StreamRun, AbortFinishesTheRunsForkedAboveADepth) {
   fake().take_log();
 }
 
+// A fork that fails after its checks (the device's pool is too small)
+// leaves nothing behind for an abort to touch.
+TEST(StreamRun, AFailedForkIsNotRegistered) {
+  fake().set_pool_size(5, 2);
+  const auto device = fake_device(5);
+  const int64_t depth = StreamRun::thread_run_depth();
+  EXPECT_TRUE(contains(
+      error_of([&] { StreamRun run(device, 6, {1}, 0); }), "distinct streams"));
+  EXPECT_EQ(StreamRun::thread_run_depth(), depth);
+  StreamRun::abort_thread_runs(depth);
+  fake().take_log();
+}
+
 TEST(StreamRun, AnAbandonedRunRestoresAndJoinsEverything) {
   const auto device = fake_device(1);
   fake().take_log();

@@ -18,9 +18,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "no_sanitizer: run without the stream sanitizer (the test installs its own)"
     )
+    config.addinivalue_line(
+        "markers", "own_sanitizer: makes stream sanitizers of its own (they do not nest)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TORCH_STAGE_SANITIZE", "0") not in ("", "0"):
+        # The process-wide sanitizer is active from import on: a test that
+        # makes its own cannot run, and one that must run without any cannot.
+        held = pytest.mark.skip(reason="TORCH_STAGE_SANITIZE=1 holds the process's sanitizer")
+        for item in items:
+            if "own_sanitizer" in item.keywords or "no_sanitizer" in item.keywords:
+                item.add_marker(held)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")
@@ -92,6 +102,14 @@ def _stream_sanitizer(request):
         return
     import torch_stage
 
+    process = torch_stage._process_sanitizer
+    if process is not None:
+        # TORCH_STAGE_SANITIZE=1 checks the whole process already; sanitizers
+        # do not nest, so judge this test's share of its races.
+        before = len(process.races)
+        yield process
+        assert process.races[before:] == []
+        return
     with torch_stage.sanitize_streams() as sanitizer:
         yield sanitizer
     assert sanitizer.races == []

@@ -118,6 +118,7 @@ class _Wrap(torch.nn.Module):
 
 @pytest.mark.parametrize("fn", GRAPHS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("strategy", ["min_sync", "critical_path"])
+@pytest.mark.own_sanitizer
 def test_multi_stream_orders_every_in_place_write(fn, strategy):
     x = torch.randn(64)
     model = torch_stage.multi_stream(_Wrap(fn), num_streams=4, strategy=strategy)
@@ -128,6 +129,7 @@ def test_multi_stream_orders_every_in_place_write(fn, strategy):
 
 
 @pytest.mark.parametrize("fn", GRAPHS, ids=lambda f: f.__name__)
+@pytest.mark.own_sanitizer
 def test_the_compile_backend_orders_every_in_place_write(fn):
     torch._dynamo.reset()
     x = torch.randn(64)
@@ -154,6 +156,7 @@ class _ReshapeCopies(torch.nn.Module):
         return y + x.sum()
 
 
+@pytest.mark.own_sanitizer
 def test_a_reshape_that_copies_is_device_work_not_an_alias():
     # The sanitizer found this on torchvision's MaxViT: a reshape taken for
     # a mere alias copied on stream 0 after the event its reader waited on.
@@ -217,6 +220,7 @@ class _SharedStats(torch.nn.Module):
         return ya + yb
 
 
+@pytest.mark.own_sanitizer
 def test_shared_running_stats_are_ordered_across_streams():
     x = torch.randn(4, 8)
     eager = _SharedStats()

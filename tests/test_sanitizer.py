@@ -15,6 +15,8 @@ from torch_stage.fx import _ops
 
 ops = torch.ops.torch_stage
 
+pytestmark = pytest.mark.own_sanitizer
+
 
 def _write(spelling: str, x: torch.Tensor) -> None:
     if spelling == "add_":

@@ -26,13 +26,17 @@ class Mixed(nn.Module):
         return v.sum() + m.sum() + c.sum() + e.sum()
 
 
-def costs():
-    inputs = (
+def mixed_inputs():
+    return (
         torch.randn(64, 256),
         torch.randn(2, 8, 16, 16),
         torch.randint(0, 100, (40,)),
         torch.arange(0, 40, 4),
     )
+
+
+def costs():
+    inputs = mixed_inputs()
     gm = trace(Mixed(), example_inputs=inputs)
     analysis = GraphAnalysis(gm, inputs, None, 4)
     nodes = {n.name: n for n in analysis.device_nodes}
@@ -61,12 +65,7 @@ def test_costs_follow_flops_and_bytes():
 
 
 def test_views_cost_nothing():
-    inputs = (
-        torch.randn(64, 256),
-        torch.randn(2, 8, 16, 16),
-        torch.randint(0, 100, (40,)),
-        torch.arange(0, 40, 4),
-    )
+    inputs = mixed_inputs()
     gm = trace(Mixed(), example_inputs=inputs)
     nodes = {n.name: n for n in gm.graph.nodes}
     assert default_cost(nodes["view"], gm) == 0.0

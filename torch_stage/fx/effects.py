@@ -223,7 +223,9 @@ def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
         try:
             written_storages.add(t.untyped_storage()._cdata)
         except (RuntimeError, NotImplementedError):
-            pass
+            # A tensor without storage (a subclass's wrapper) cannot be one
+            # of the stand-ins, which are plain meta tensors.
+            continue
 
     def is_written(node: torch.fx.Node) -> bool:
         t = stand_ins.get(node)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torch_stage import _C, _pytree
-from torch_stage._checks import check_int
+from torch_stage._checks import MAX_THREADS, check_int
 from torch_stage.errors import StageTimeoutError
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
@@ -30,6 +30,10 @@ _hooks: list = []  # stage lists of the active make_prefetch_hook contexts
 _registry_lock = threading.Lock()
 # How long close() waits for a producer stuck in user code before leaving it.
 _JOIN_TIMEOUT_MS = 10_000
+# At interpreter exit a producer stuck in user code is not waited for long:
+# it is left behind (parked if it ever wants the GIL again, see
+# csrc/python/bindings.h), and every live stage shares this one bound.
+_EXIT_JOIN_TIMEOUT_MS = 1_000
 # Stage.state_dict()'s format; load_state_dict() reads only this version.
 _STATE_VERSION = 1
 _STATE_TYPE = "torch_stage.Stage"
@@ -551,7 +555,7 @@ def staged(
         ValueError, TypeError: a bad argument, before any thread starts.
     """
     check_int("capacity", capacity, 1, ">= 1")
-    check_int("num_threads", num_threads, 1, ">= 1")
+    check_int("num_threads", num_threads, 1, ">= 1", MAX_THREADS)
     check_int("num_clients", num_clients, 1, ">= 1")
     check_int("timeout_millis", timeout_millis, 1, "> 0")
     closed = _check_exception_types("closed_exception_types", closed_exception_types)
@@ -638,7 +642,7 @@ def add_stage_thread_pool(
     Ids count from 0 in the order pools are added.
     """
     check_int("inter_op_threads", inter_op_threads, 1, ">= 1")
-    check_int("intra_op_threads", intra_op_threads, 1, ">= 1")
+    check_int("intra_op_threads", intra_op_threads, 1, ">= 1", MAX_THREADS)
     if not isinstance(global_name, str):
         raise TypeError(f"global_name must be a str, got {type(global_name).__name__}")
     if not global_name:
@@ -676,5 +680,9 @@ def make_prefetch_hook():
 def _close_all() -> None:
     # C++ producer threads are not joined by threading's shutdown; stop them
     # before the interpreter goes away.
+    deadline = time.monotonic() + _EXIT_JOIN_TIMEOUT_MS / 1000
     for stage in list(_live):
-        stage.close()
+        impl = getattr(stage, "_impl", None)
+        if impl is not None:
+            left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+            impl.close(join_timeout_ms=left_ms)

@@ -10,8 +10,102 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <thread>
 
 namespace torch_stage::python {
+
+// Whether the interpreter has begun to finalize (from any thread, GIL or not).
+inline bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// The interpreter's main thread (threading.main_thread()), which is the one
+// that finalizes it; set when the extension module is initialised.
+inline unsigned long& main_thread_ident() {
+  static unsigned long ident = 0;
+  return ident;
+}
+
+// Whether CPython would refuse the GIL to the calling thread: finalization
+// has begun and this is not the thread doing it (CPython's tstate_must_exit).
+// The finalizing thread itself goes on taking and releasing the GIL (objects
+// freed during finalization close their stages).
+inline bool gil_closed_to_this_thread() {
+  return interpreter_finalizing() &&
+      PyThread_get_thread_ident() != main_thread_ident();
+}
+
+// Parks the calling thread for good: what CPython >= 3.14 does to a thread
+// that wants the GIL after finalization began (older ones pthread_exit it).
+[[noreturn]] inline void park_forever() {
+  while (true) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+}
+
+// The GIL released for a scope, like pybind11::gil_scoped_release, but safe
+// for a daemon thread that comes back after the interpreter began to exit.
+//
+// Why not gil_scoped_release: taking the GIL back during finalization makes
+// CPython (< 3.14) end the thread with pthread_exit, a forced unwind; from
+// inside gil_scoped_release's noexcept destructor that is std::terminate
+// ("terminate called without an active exception", the abort of a process
+// that exits while a daemon thread waits in StagingArea.put). A thread that
+// comes back too late is parked instead: it holds no lock of ours by then,
+// and the process's exit ends it.
+//
+// The destructor is noexcept(false) for the window between the check and
+// PyEval_RestoreThread: a finalization that starts there still ends the
+// thread with a forced unwind, which then passes through ordinary frames
+// (pybind11's dispatcher rethrows it) instead of aborting.
+class ReleasedGil {
+ public:
+  ReleasedGil() : state_(PyEval_SaveThread()) {}
+  ReleasedGil(const ReleasedGil&) = delete;
+  ReleasedGil& operator=(const ReleasedGil&) = delete;
+  ~ReleasedGil() noexcept(false) {
+    if (gil_closed_to_this_thread()) {
+      park_forever();
+    }
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
+// The GIL taken for a scope from a thread of ours (a stage's producer), like
+// pybind11::gil_scoped_acquire, but safe at interpreter exit. A producer
+// still inside user code when its stage's close() gave up joining it is
+// detached; if it comes back after finalization began:
+// - wanting the GIL here, it is parked (see park_forever);
+// - inside CPython (a Python call that released and retakes the GIL),
+//   CPython < 3.14 ends it with pthread_exit, whose unwind runs this
+//   destructor: releasing the thread state then would touch a finalized
+//   interpreter (a segfault in PyThreadState_Clear), so it is leaked.
+class AcquiredGil {
+ public:
+  AcquiredGil() {
+    if (gil_closed_to_this_thread()) {
+      park_forever();
+    }
+    gil_ = new pybind11::gil_scoped_acquire();
+  }
+  AcquiredGil(const AcquiredGil&) = delete;
+  AcquiredGil& operator=(const AcquiredGil&) = delete;
+  ~AcquiredGil() {
+    if (!gil_closed_to_this_thread()) {
+      delete gil_;
+    }
+  }
+
+ private:
+  pybind11::gil_scoped_acquire* gil_;
+};
 
 // A blocking wait for Python callers (StagingArea, Stage, RecordInput):
 // `attempt(deadline)` runs first without waiting and without giving up the
@@ -31,14 +125,20 @@ Status wait_releasing_gil(
   if (status != timed_out || timeout_ms == 0) {
     return status;
   }
-  const bool forever = timeout_ms < 0;
+  // A timeout too long for the clock (about 292 years) waits forever:
+  // adding it to now() would overflow into the past.
+  const auto now = Clock::now();
+  const int64_t max_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             Clock::time_point::max() - now)
+                             .count();
+  const bool forever = timeout_ms < 0 || timeout_ms >= max_ms;
   const auto deadline =
-      Clock::now() + std::chrono::milliseconds(forever ? 0 : timeout_ms);
+      now + std::chrono::milliseconds(forever ? 0 : timeout_ms);
   while (true) {
     const auto slice_end = Clock::now() + kSlice;
     const auto until = forever ? slice_end : std::min(slice_end, deadline);
     {
-      pybind11::gil_scoped_release no_gil;
+      ReleasedGil no_gil;
       status = attempt(until);
     }
     if (status != timed_out || (!forever && Clock::now() >= deadline)) {

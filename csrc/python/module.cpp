@@ -8,6 +8,11 @@
 PYBIND11_MODULE(_C, m) {
   m.doc() =
       "torch_stage Python bindings (internal; use the torch_stage package)";
+  torch_stage::python::main_thread_ident() =
+      pybind11::module_::import("threading")
+          .attr("main_thread")()
+          .attr("ident")
+          .cast<unsigned long>();
   torch_stage::python::init_staging(m);
   torch_stage::python::init_stage(m);
   torch_stage::python::init_records(m);

@@ -11,8 +11,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "python/bindings.h"
@@ -117,13 +119,25 @@ class FileReader {
       throw py::value_error(
           "batch_size must be >= 1, got " + std::to_string(max_records));
     }
+    if (pending_) {
+      std::rethrow_exception(std::exchange(pending_, nullptr));
+    }
     RecordBatch batch;
     {
-      py::gil_scoped_release no_gil;
-      while (static_cast<int64_t>(batch.size()) < max_records &&
-             reader_.read(&record_)) {
-        batch.data.insert(batch.data.end(), record_.begin(), record_.end());
-        batch.offsets.push_back(static_cast<int64_t>(batch.data.size()));
+      ReleasedGil no_gil;
+      try {
+        while (static_cast<int64_t>(batch.size()) < max_records &&
+               reader_.read(&record_)) {
+          batch.data.insert(batch.data.end(), record_.begin(), record_.end());
+          batch.offsets.push_back(static_cast<int64_t>(batch.data.size()));
+        }
+      } catch (const std::exception&) {
+        // The records read before a bad one are delivered first, as reading
+        // one at a time would; the error comes with the next call.
+        if (batch.size() == 0) {
+          throw;
+        }
+        pending_ = std::current_exception();
       }
     }
     return batch_to_tensors(std::move(batch));
@@ -136,6 +150,7 @@ class FileReader {
  private:
   records::RecordReader reader_;
   std::string record_;
+  std::exception_ptr pending_; // an error that follows the last batch
 };
 
 class FileWriter {
@@ -157,18 +172,18 @@ class FileWriter {
 
   void write_batch(const at::Tensor& data, const at::Tensor& offsets) {
     const auto refs = records::record_refs(data, offsets);
-    py::gil_scoped_release no_gil;
+    ReleasedGil no_gil;
     for (const auto& r : refs) {
       writer_.write(r.data, r.size);
     }
   }
 
   void flush() {
-    py::gil_scoped_release no_gil;
+    ReleasedGil no_gil;
     writer_.flush();
   }
   void close() {
-    py::gil_scoped_release no_gil;
+    ReleasedGil no_gil;
     writer_.close();
   }
   int64_t records_written() const {
@@ -279,7 +294,7 @@ py::list parse_example(
   }
   std::vector<records::ParsedFeature> parsed;
   {
-    py::gil_scoped_release no_gil;
+    ReleasedGil no_gil;
     parsed = records::parse_examples(refs, cpp_specs, pin_memory);
   }
   py::list out;
@@ -324,7 +339,7 @@ Input make_input(
   o.shard_world = shard_world;
   o.epochs = epochs;
   o.prefetch_batches = prefetch_batches;
-  py::gil_scoped_release no_gil; // globbing may touch a slow file system
+  ReleasedGil no_gil; // globbing may touch a slow file system
   return std::make_shared<records::RecordInput>(std::move(o));
 }
 
@@ -415,7 +430,7 @@ void init_records(py::module_& m) {
   m.def(
       "_match_files",
       [](std::vector<std::string> patterns) {
-        py::gil_scoped_release no_gil;
+        ReleasedGil no_gil;
         return records::match_files(patterns);
       },
       py::arg("patterns"));
@@ -445,7 +460,7 @@ void init_records(py::module_& m) {
       .def(
           "start",
           [](const Input& input) {
-            py::gil_scoped_release no_gil;
+            ReleasedGil no_gil;
             input->start();
           })
       .def(
@@ -453,7 +468,7 @@ void init_records(py::module_& m) {
           [](const Input& input) {
             // Joining waits for threads that never need the GIL; releasing
             // it lets other Python threads run meanwhile.
-            py::gil_scoped_release no_gil;
+            ReleasedGil no_gil;
             input->close();
           })
       .def("stats", &input_stats)

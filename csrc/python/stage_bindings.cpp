@@ -31,11 +31,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 bool python_alive() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsInitialized() && !Py_IsFinalizing();
-#else
-  return Py_IsInitialized() && !_Py_IsFinalizing();
-#endif
+  return Py_IsInitialized() && !interpreter_finalizing();
 }
 
 // Releases a Python reference from any thread.
@@ -47,7 +43,7 @@ void drop(py::object& obj) {
     obj.release(); // leaked on purpose: the interpreter is going away
     return;
   }
-  py::gil_scoped_acquire gil;
+  AcquiredGil gil;
   obj = py::object();
 }
 
@@ -199,7 +195,7 @@ class PyStageWork final : public StageWork {
     }
 
    private:
-    std::optional<py::gil_scoped_acquire> gil_;
+    std::optional<AcquiredGil> gil_;
   };
 
   // Called with the GIL held; the Python error is in `e`.
@@ -277,7 +273,7 @@ class PyStage {
   ~PyStage() {
     // Joining producers that need the GIL while holding it would deadlock.
     if (python_alive() && PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
+      ReleasedGil no_gil;
       stage_.reset();
     } else {
       stage_.reset();
@@ -469,12 +465,19 @@ void init_stage(py::module_& m) {
       .def(
           "start",
           [](PyStage& s) { s.stage().start(); },
-          py::call_guard<py::gil_scoped_release>())
+          py::call_guard<ReleasedGil>())
       .def("next", &PyStage::next, py::arg("timeout_ms") = -1)
       .def(
           "close",
-          [](PyStage& s) { s.stage().close(); },
-          py::call_guard<py::gil_scoped_release>())
+          [](PyStage& s, int64_t join_timeout_ms) {
+            if (join_timeout_ms < 0) {
+              s.stage().close();
+            } else {
+              s.stage().close(std::chrono::milliseconds(join_timeout_ms));
+            }
+          },
+          py::arg("join_timeout_ms") = -1,
+          py::call_guard<ReleasedGil>())
       .def("stats", &PyStage::stats)
       .def("describe", [](PyStage& s) { return s.stage().describe(); })
       .def("buffered", [](PyStage& s) { return s.stage().buffered(); })

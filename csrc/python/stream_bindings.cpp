@@ -93,7 +93,7 @@ void init_streams(py::module_& m) {
       "_set_stream_observer",
       [](py::object observer) {
         if (observer.is_none()) {
-          py::gil_scoped_release no_gil;
+          ReleasedGil no_gil;
           set_stream_observer(nullptr);
           return;
         }
@@ -116,7 +116,7 @@ void init_streams(py::module_& m) {
                   torch::jit::toPyObject(note.value),
                   note.owner_thread);
             });
-        py::gil_scoped_release no_gil;
+        ReleasedGil no_gil;
         set_stream_observer(std::move(call));
       },
       py::arg("observer"));

@@ -330,8 +330,13 @@ void RecordInput::mixer_main() {
   const size_t threshold = (capacity + 1) / 2;
   const size_t batch_size = static_cast<size_t>(options_.batch_size);
   std::mt19937_64 rng(splitmix64(seed_));
+  // buffer_size and batch_size are upper bounds: reserve at most a modest
+  // start, so a huge one (2**40) cannot fail here, outside the try below,
+  // before any record is read (std::terminate on this thread).
+  constexpr size_t kReserveRecords = size_t{1} << 16;
+  constexpr size_t kReserveBytes = size_t{64} << 20;
   std::vector<std::string> pool;
-  pool.reserve(capacity);
+  pool.reserve(std::min(capacity, kReserveRecords));
   bool exhausted = false;
   bool barren = false; // end with no_records_error() once the pool drains
   bool emitting = false; // set once the pool first reaches the threshold
@@ -339,11 +344,12 @@ void RecordInput::mixer_main() {
 
   auto fresh_batch = [&] {
     Item item;
-    item.batch.data.reserve(batch_size * mean_record);
-    item.batch.offsets.reserve(batch_size + 1);
+    const size_t records = std::min(batch_size, kReserveRecords);
+    item.batch.data.reserve(std::min(records * mean_record, kReserveBytes));
+    item.batch.offsets.reserve(records + 1);
     return item;
   };
-  Item current = fresh_batch();
+  Item current;
 
   auto emit = [&](Item& item) {
     if (output_.put(item) != BufferStatus::kOk) {
@@ -353,6 +359,7 @@ void RecordInput::mixer_main() {
   };
 
   try {
+    current = fresh_batch();
     while (!stop_.load(std::memory_order_relaxed)) {
       // Fill: one record per turn until the threshold is first reached
       // (nothing is emitted before), then two per record emitted, so the

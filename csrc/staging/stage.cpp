@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <system_error>
 #include <utility>
 
 #include "staging/device_stager.h"
@@ -527,13 +528,49 @@ struct Stage::State : std::enable_shared_from_this<State> {
     auto self = shared_from_this();
     auto starter = std::make_shared<at::ThreadLocalState>();
     for (int64_t i = 0; i < options.num_threads; ++i) {
-      // Each thread owns a reference: a producer stuck in user code past
-      // close() keeps the state it uses alive.
-      threads.emplace_back([self, starter, i] { self->produce(i, *starter); });
+      try {
+        // Each thread owns a reference: a producer stuck in user code past
+        // close() keeps the state it uses alive.
+        threads.emplace_back(
+            [self, starter, i] { self->produce(i, *starter); });
+      } catch (const std::system_error& e) {
+        refuse_start(i, e);
+      }
     }
   }
 
-  void close() {
+  // The system refused producer `first` (and so the rest): the stage is
+  // unusable, say so, and leave close() only the threads that exist to join
+  // (otherwise it waited join_timeout for producers that never ran).
+  // Requires life_mu held.
+  [[noreturn]] void refuse_start(int64_t first, const std::system_error& e) {
+    for (auto i = static_cast<size_t>(first); i < statuses.size(); ++i) {
+      statuses[i].exited.store(true);
+    }
+    stop.store(true);
+    {
+      std::lock_guard<std::mutex> lock(exit_mu);
+      live -= options.num_threads - first;
+      if (live == 0) {
+        finished.store(true);
+      }
+    }
+    exit_cv.notify_all();
+    buffer.cancel(); // takers see the stage cancelled, never a long wait
+    TORCH_CHECK(
+        false,
+        "stage '",
+        options.name,
+        "': the system refused to start producer thread ",
+        first,
+        " of num_threads=",
+        options.num_threads,
+        " (",
+        e.what(),
+        "); use fewer threads");
+  }
+
+  void close(std::chrono::milliseconds join_timeout) {
     std::vector<std::thread> to_join;
     {
       std::lock_guard<std::mutex> lock(life_mu);
@@ -554,7 +591,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
     buffer.cancel();
     {
       std::unique_lock<std::mutex> lock(exit_mu);
-      exit_cv.wait_for(lock, options.join_timeout, [&] { return live == 0; });
+      exit_cv.wait_for(lock, join_timeout, [&] { return live == 0; });
     }
     std::vector<int64_t> stuck;
     for (size_t i = 0; i < to_join.size(); ++i) {
@@ -572,7 +609,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
           "' closed, but ",
           stuck.size(),
           " producer thread(s) are still inside user code after ",
-          options.join_timeout.count(),
+          join_timeout.count(),
           " ms (",
           describe(),
           "); they exit when that call returns"));
@@ -651,7 +688,14 @@ TakeStatus Stage::take(StageItem& out) {
 TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
   State& st = *state_;
   st.start();
-  const auto deadline = Clock::now() + timeout;
+  // Saturated: a timeout too long for the clock waits forever instead of
+  // overflowing into the past.
+  const auto now = Clock::now();
+  const auto deadline =
+      timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(
+                     Clock::time_point::max() - now)
+      ? Clock::time_point::max()
+      : now + timeout;
   {
     std::unique_lock<std::mutex> lock(st.clients_mu);
     if (!st.clients_cv.wait_until(lock, deadline, [&] {
@@ -686,7 +730,11 @@ TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
 }
 
 void Stage::close() {
-  state_->close();
+  state_->close(state_->options.join_timeout);
+}
+
+void Stage::close(std::chrono::milliseconds join_timeout) {
+  state_->close(join_timeout);
 }
 
 bool Stage::started() const {

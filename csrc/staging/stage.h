@@ -226,8 +226,11 @@ class Stage {
   TakeStatus take(StageItem& out);
   TakeStatus take_for(StageItem& out, std::chrono::milliseconds timeout);
 
-  // Stops and joins the producers; idempotent; safe from any thread.
+  // Stops and joins the producers; idempotent; safe from any thread. A
+  // producer still inside StageWork after `join_timeout` (default: the
+  // stage's option) is left to finish on its own.
   void close();
+  void close(std::chrono::milliseconds join_timeout);
 
   bool started() const;
   bool closed() const;

@@ -1,11 +1,26 @@
 """Argument checks shared by the public constructors."""
 
+#: The largest int the C++ side takes (int64_t): a larger Python int would
+#: fail to convert there with an error that names neither it nor its argument.
+INT64_MAX = 2**63 - 1
 
-def check_int(name: str, value, minimum: int, rule: str) -> int:
-    """``value`` as an int >= ``minimum``; TypeError or ValueError naming the
-    argument, the value and ``rule`` otherwise (bools are not ints here)."""
+#: The most threads a Linux process can have (PID_MAX_LIMIT on 64-bit
+#: kernels): a thread count above it is a mistake, never a wish.
+MAX_THREADS = 2**22
+
+#: A float wait (seconds, possibly inf) longer than this (about 31.7 years)
+#: is waited as this long; the C++ side waits longer ones forever.
+MAX_WAIT_MS = 10**12
+
+
+def check_int(name: str, value, minimum: int, rule: str, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[minimum, maximum]``; TypeError or ValueError
+    naming the argument, the value and ``rule`` otherwise (bools are not ints
+    here). ``maximum`` defaults to the C++ side's int64 range."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     if value < minimum:
         raise ValueError(f"{name} must be {rule}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be {rule} and at most {maximum}, got {value}")
     return value

@@ -277,6 +277,29 @@ def _outside_accelerate_stacklevel(frame) -> int:
     return level
 
 
+def _check_plain_numbers(num_workers, timeout, prefetch_factor) -> None:
+    """The plain DataLoader's first checks, in its order, with its exception
+    types and conditions, and messages that also name the bad value (the
+    plain ones do not). Values it cannot compare are left to it."""
+    number = (int, float)
+    if not isinstance(num_workers, number):
+        return
+    if num_workers < 0:
+        raise ValueError(
+            f"num_workers option should be non-negative, got num_workers={num_workers!r}; "
+            "use num_workers=0 to disable multiprocessing."
+        )
+    if not isinstance(timeout, number):
+        return
+    if timeout < 0:
+        raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
+    if num_workers > 0 and isinstance(prefetch_factor, number) and prefetch_factor < 0:
+        raise ValueError(
+            "prefetch_factor option should be non-negative, "
+            f"got prefetch_factor={prefetch_factor!r}"
+        )
+
+
 class DataLoader(torch.utils.data.DataLoader[_T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` whose batches are staged.
 
@@ -368,6 +391,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             device=device,
             name=name or "dataloader",
         ).close()
+        _check_plain_numbers(num_workers, timeout, prefetch_factor)
         if _PLAIN_HAS_IN_ORDER:
             loader_kwargs["in_order"] = in_order
         elif in_order is not True:

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Seq
 import torch
 
 from torch_stage import _C
-from torch_stage._checks import check_int
+from torch_stage._checks import INT64_MAX, MAX_WAIT_MS, check_int
 
 __all__ = [
     "FixedLenFeature",
@@ -66,8 +66,16 @@ def _patterns(path_or_pattern, name: str = "path_or_pattern") -> List[str]:
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             raise TypeError(f"{name} entries must be str or os.PathLike, got {item!r}")
-        out.append(os.fspath(item))
+        out.append(_check_path(os.fspath(item), name))
     return out
+
+
+def _check_path(path, name: str):
+    # The C++ side takes a C string, which ends at the first NUL: the file
+    # opened would be another one than the one named.
+    if ("\0" if isinstance(path, str) else b"\0") in path:
+        raise ValueError(f"{name} must not contain a NUL byte, got {path!r}")
+    return path
 
 
 def _accelerator_available() -> bool:
@@ -175,10 +183,34 @@ def _check_shape(shape) -> List[int]:
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
             raise ValueError(f"shape dimensions must be ints >= 0, got {list(shape)!r}")
         out.append(d)
+    count = 1
+    for d in out:
+        count *= d
+    if count > INT64_MAX:
+        raise ValueError(
+            f"shape {tuple(out)} has {count} elements per record, more than a tensor "
+            f"holds ({INT64_MAX})"
+        )
     return out
 
 
 def _numbers(value, kind: int, what: str) -> List:
+    flat = _flat_numbers(value, what)
+    if kind == _INT64:
+        _check_int64s(flat, f"{what} of an int64 feature")
+    return flat
+
+
+def _check_int64s(values: List, what: str) -> None:
+    """An Int64List's values: ints within int64 (bools count as 0 and 1)."""
+    for v in values:
+        if not isinstance(v, int):
+            raise TypeError(f"{what} must be ints, got {v!r}")
+        if not -INT64_MAX - 1 <= v <= INT64_MAX:
+            raise ValueError(f"{what} must fit in int64, got {v}")
+
+
+def _flat_numbers(value, what: str) -> List:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).tolist()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -186,7 +218,7 @@ def _numbers(value, kind: int, what: str) -> List:
     if isinstance(value, (list, tuple)):
         flat: List = []
         for v in value:
-            flat.extend(_numbers(v, kind, what))
+            flat.extend(_flat_numbers(v, what))
         return flat
     raise TypeError(f"{what} must be numbers, got {value!r}")
 
@@ -381,7 +413,10 @@ def encode_example(features: Mapping[str, Any]) -> bytes:
     for key, value in features.items():
         if not isinstance(key, str):
             raise TypeError(f"feature keys must be str, got {key!r}")
-        items.append((key, *_encode_value(key, value)))
+        kind, values = _encode_value(key, value)
+        if kind == _INT64:
+            _check_int64s(values, f"feature '{key}': an Int64List's values")
+        items.append((key, kind, values))
     return _C._encode_example(items)
 
 
@@ -503,7 +538,7 @@ class RecordWriter:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be str or os.PathLike, got {type(path).__name__}")
         self._compression = _check_compression(compression)
-        self._writer = _C._RecordFileWriter(os.fspath(path), self._compression)
+        self._writer = _C._RecordFileWriter(_check_path(os.fspath(path), "path"), self._compression)
 
     @property
     def path(self) -> str:
@@ -634,9 +669,7 @@ class RecordInput:
         check_int("batch_size", batch_size, 1, ">= 1")
         check_int("prefetch_batches", prefetch_batches, 1, ">= 1")
         if seed is not None:
-            check_int("seed", seed, 0, ">= 0 (or None for a random seed)")
-            if seed >= 2**64:
-                raise ValueError(f"seed must be < 2**64, got {seed}")
+            check_int("seed", seed, 0, ">= 0 (or None for a random seed)", 2**64 - 1)
         if isinstance(shift_ratio, bool) or not isinstance(shift_ratio, (int, float)):
             raise TypeError(f"shift_ratio must be a float, got {shift_ratio!r}")
         if not 0.0 <= shift_ratio < 1.0:
@@ -692,9 +725,10 @@ class RecordInput:
         seconds (None waits without bound; 0 only tries)."""
         if timeout is None:
             return next(self)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
-        got = self._handle.take(int(timeout * 1000))
+        # inf and other waits beyond the C++ side's reach: as long as it can.
+        got = self._handle.take(int(min(timeout * 1000, MAX_WAIT_MS)))
         return None if got is None else RecordBatch(*got)
 
     def close(self) -> None:

@@ -8,6 +8,8 @@
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
 #   make asan    the same under AddressSanitizer (+ UndefinedBehaviorSanitizer)
 #   make bench   the benchmarks (JSON on stdout)
+#   make torture the reliability suite, full profile (tests/reliability/;
+#                make test runs its quick profile)
 #   make zoo     multi-stream on torchvision's models under the stream
 #                sanitizer, in a venv of its own (torch 2.14.1 + torchvision)
 #
@@ -40,7 +42,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench zoo clean distclean
+.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench torture zoo clean distclean
 
 all: test
 
@@ -101,6 +103,12 @@ test: build
 
 demo: build
 	$(PY) examples/demo.py
+
+# Every scenario in a process of its own under a hard timeout; one line each
+# and a closing "N passed, M failed". TORTURE_ARGS: e.g. -k signals --json f.
+TORTURE_ARGS ?=
+torture: build
+	$(PY) tests/reliability/run.py --profile full $(TORTURE_ARGS)
 
 # record_pipeline generates its ~215 MB of seed files once, into
 # build/bench_data/ (never part of `make test`).

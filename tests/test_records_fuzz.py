@@ -91,25 +91,33 @@ def test_the_corpus_is_there_and_valid():
     parse_example(EXAMPLE_SEEDS, {"x": VarLenFeature(torch.int64, default_value=[])})
 
 
-@FUZZ
-@given(records=st.lists(example_bytes, min_size=1, max_size=6))
-def test_parser_raises_record_errors_only(records):
+record_lists = st.lists(example_bytes, min_size=1, max_size=6)
+compressions = st.sampled_from([None, "GZIP", "ZLIB"])
+
+
+# The two properties, shared with the reliability suite's fuzz scenarios
+# (tests/reliability/fuzz.py), which run them with a larger budget. Each
+# returns what happened: (outcome, parsed output or records read), the
+# outcome "parsed"/"read" or the name of the RecordError raised.
+
+
+def check_parser(records):
     try:
         out = parse_example(records, SPECS)
     except (ExampleParseError, FeatureError) as e:
         assert e.record_index is not None and 0 <= e.record_index < len(records)
-        return
+        return type(e).__name__, e
     assert out["d"].shape == (len(records), 194)
     assert out["f"].offsets[-1] == out["f"].values.numel()
     assert out["b"].value_offsets[-1] == out["b"].values.numel()
     # The same bytes as one flat batch parse the same.
     again = parse_example(RecordBatch.from_records(records), SPECS)
     assert torch.equal(again["d"], out["d"]) and torch.equal(again["i"].values, out["i"].values)
+    return "parsed", out
 
 
-@FUZZ
-@given(data=file_bytes, compression=st.sampled_from([None, "GZIP", "ZLIB"]))
-def test_reader_raises_record_errors_only(data, compression):
+def check_reader(data, compression):
+    read = []
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "fuzz.tfrecord")
         if compression is None:
@@ -127,8 +135,23 @@ def test_reader_raises_record_errors_only(data, compression):
         try:
             for batch in read_records(path, compression, batch_size=3):
                 assert batch.offsets[-1] == batch.data.numel()
+                read.extend(batch.tolist())
         except (CorruptRecordError, RecordFileError) as e:
             assert e.path == path
+            return type(e).__name__, read
+    return "read", read
+
+
+@FUZZ
+@given(records=record_lists)
+def test_parser_raises_record_errors_only(records):
+    check_parser(records)
+
+
+@FUZZ
+@given(data=file_bytes, compression=compressions)
+def test_reader_raises_record_errors_only(data, compression):
+    check_reader(data, compression)
 
 
 @pytest.mark.parametrize("seed", range(len(FILE_SEEDS)))

@@ -1,0 +1,213 @@
+"""Distributed: a 2-rank torchrun DDP job (gloo, CPU) trained through
+torch_stage.DataLoader with a DistributedSampler ends with parameters
+bit-equal to the same job trained through torch.utils.data.DataLoader.
+
+Each job is tests/reliability/ddp_train.py under ``torchrun --standalone``
+(rendezvous and gloo on the loopback interface only), in a process group of
+its own under a hard limit: a hang prints the ranks' Python stacks (their
+faulthandler) and native stacks (gdb), then the whole job is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from reliability.harness import (
+    HERE,
+    ScenarioFailure,
+    check,
+    child_env,
+    kill_group,
+    native_stacks,
+    scenario,
+)
+
+SCRIPT = os.path.join(HERE, "ddp_train.py")
+RANKS = 2
+# One torchrun job's hard limit (a healthy one takes 5-10 s).
+JOB_LIMIT_S = 120
+
+
+def _job_pids(leader: int, ranks_only: bool = False) -> list:
+    """The processes of the job's session (torchrun's agent, its ranks and
+    their DataLoader workers), or only the ranks (the agent's children)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # After the command's ")": state, ppid, pgrp, session, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1] if ranks_only else fields[3]) == leader:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, staging=None) -> float:
+    """Run the job; return its seconds. Fails the scenario when it fails or
+    hangs past ``limit_s``."""
+    env = child_env(
+        {
+            "OMP_NUM_THREADS": "1",
+            # Loopback only: gloo's sockets and the rendezvous store.
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            # The ranks dump their stacks and exit a little before the limit.
+            "DDP_TRAIN_LIMIT_S": str(max(10.0, limit_s - 15)),
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(RANKS),
+        "--max_restarts",
+        "0",
+        SCRIPT,
+        kind,
+        str(num_workers),
+        out,
+        json.dumps(staging or {}),
+    ]
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(out),
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        stacks = "\n".join(
+            f"--- rank process {pid} ---\n{native_stacks(pid, timeout_s=20)}"
+            for pid in _job_pids(proc.pid, ranks_only=True)[:RANKS]
+        )
+        kill_group(proc)
+        output, _ = proc.communicate()
+        raise ScenarioFailure(
+            f"torchrun ({kind}, num_workers={num_workers}) hung for {limit_s:.0f} s\n"
+            f"--- its output ---\n{output[-8000:]}\n--- native stacks ---\n{stacks}"
+        ) from None
+    seconds = time.monotonic() - start
+    # A rank's worker or staging thread must not outlive the job.
+    left = _job_pids(proc.pid)
+    if left:
+        kill_group(proc)
+    check(
+        proc.returncode == 0 and os.path.exists(out),
+        f"torchrun ({kind}, num_workers={num_workers}) exited with {proc.returncode}:\n"
+        f"{output[-8000:]}",
+    )
+    check(not left, f"processes {left} of the {kind} job outlived it")
+    return seconds
+
+
+def _compare(plain: dict, staged: dict, num_workers: int, staging=None) -> int:
+    """Bit-equal parameters, and the staged job really staged. Returns the
+    number of parameter tensors compared."""
+    import torch
+
+    where = f"num_workers={num_workers}, staging {staging or {}}"
+    for job, name in ((plain, "plain"), (staged, "staged")):
+        check(len(job["ranks"]) == RANKS, f"{name}: {len(job['ranks'])} ranks reported")
+        for r in job["ranks"]:
+            check(
+                all(torch.equal(v, job["params"][k]) for k, v in r["params"].items()),
+                f"{name}, {where}: rank {r['rank']}'s parameters differ from rank 0's",
+            )
+    for r in staged["ranks"]:
+        check(
+            r["loader"] == "torch_stage.loader.DataLoader" and r["staging"] == (staging or {}),
+            f"the staged job's rank {r['rank']} trained with {r['loader']} {r['staging']}",
+        )
+        for epoch, s in enumerate(r["stats"]):
+            check(
+                s["batches"] == s["len"] and s["consumed"] == s["batches"],
+                f"staged, {where}, rank {r['rank']}, epoch {epoch}: {s['batches']} batches "
+                f"of {s['len']}, but the stage reports consumed={s['consumed']}",
+            )
+            check(
+                s["produced"] is not None and s["produced"] >= s["consumed"],
+                f"staged, {where}, rank {r['rank']}, epoch {epoch}: stats {s}",
+            )
+    for p, s in zip(plain["ranks"], staged["ranks"]):
+        # What differs, so that a parameter mismatch says why.
+        check(
+            p["seen"] == s["seen"],
+            f"{where}, rank {p['rank']}: the staged job trained on the examples "
+            f"{s['seen']}, the plain one on {p['seen']}",
+        )
+    check(
+        set(plain["params"]) == set(staged["params"]),
+        f"{where}: the jobs saved different parameters",
+    )
+    different = [
+        k
+        for k, v in plain["params"].items()
+        if v.dtype != staged["params"][k].dtype or not torch.equal(v, staged["params"][k])
+    ]
+    if different:
+        worst = max(
+            (plain["params"][k] - staged["params"][k]).abs().max().item() for k in different
+        )
+        first_loss = next(
+            (
+                i
+                for i, (a, b) in enumerate(
+                    zip(plain["ranks"][0]["losses"], staged["ranks"][0]["losses"])
+                )
+                if a != b
+            ),
+            None,
+        )
+        raise ScenarioFailure(
+            f"{where}: parameters {different} differ between the plain and the staged "
+            f"job (max |diff| {worst:.3g}; rank 0's losses first differ at step {first_loss})"
+        )
+    return len(plain["params"])
+
+
+@scenario(
+    "ddp.torchrun_bit_equal",
+    timeout_s=480,
+    quick={"num_workers": (0, 2), "stagings": ({},)},
+    full={"num_workers": (0, 2), "stagings": ({}, {"num_threads": 2, "capacity": 4})},
+)
+def torchrun_bit_equal(num_workers, stagings) -> dict:
+    """2-rank torchrun DDP (gloo): staged DataLoader's parameters == plain's"""
+    import torch
+
+    workdir = tempfile.mkdtemp(prefix="torch_stage_ddp_")
+    figures = {}
+    try:
+        for w in num_workers:
+            out = os.path.join(workdir, f"plain-{w}.pt")
+            figures[f"plain_w{w}_s"] = _torchrun("plain", w, out)
+            plain = torch.load(out, weights_only=False)
+            for j, staging in enumerate(stagings):
+                name = f"staged{j or ''}_w{w}"
+                out = os.path.join(workdir, f"{name}.pt")
+                figures[f"{name}_s"] = _torchrun("staged", w, out, staging=staging)
+                staged = torch.load(out, weights_only=False)
+                figures[f"{name}_params_equal"] = _compare(plain, staged, w, staging)
+                figures[f"{name}_batches"] = sum(
+                    s["consumed"] for r in staged["ranks"] for s in r["stats"]
+                )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return figures

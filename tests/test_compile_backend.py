@@ -13,7 +13,7 @@ from torch import nn
 from zoo import ZOO, build
 
 import torch_stage
-from torch_stage import compile_backend, streams
+from torch_stage import _annotations, compile_backend
 from torch_stage.fx import _ops
 
 ENTRIES = {e.name: e for e in ZOO}
@@ -217,7 +217,7 @@ class Annotated(nn.Module):
 
 
 @pytest.mark.skipif(
-    not streams._DYNAMO_CARRIES_ANNOTATIONS, reason="this torch's Dynamo drops annotations"
+    not _annotations._DYNAMO_CARRIES_ANNOTATIONS, reason="this torch's Dynamo drops annotations"
 )
 def test_annotations_inside_compiled_code_are_honoured():
     model = Annotated()
@@ -251,7 +251,7 @@ def test_annotations_outside_the_pool_are_named_at_compile_time():
                 return x.sin()
 
     compiled = torch.compile(TooFar(), backend=torch_stage.backend(num_streams=2))
-    if streams._DYNAMO_CARRIES_ANNOTATIONS:
+    if _annotations._DYNAMO_CARRIES_ANNOTATIONS:
         with pytest.raises(Exception, match=r"annotated torch_stage.stream\(3\), outside the pool"):
             compiled(torch.ones(2))
 
@@ -260,7 +260,7 @@ def test_a_torch_whose_dynamo_drops_annotations_warns(monkeypatch):
     # What torch < 2.10 does (no fx.traceback.annotate support in Dynamo):
     # the block compiles to nothing, and a warning says the annotation is
     # not honoured; results are unchanged.
-    monkeypatch.setattr(streams, "_DYNAMO_CARRIES_ANNOTATIONS", False)
+    monkeypatch.setattr(_annotations, "_DYNAMO_CARRIES_ANNOTATIONS", False)
     model = Annotated()
     x = torch.randn(3, 8)
     backend = torch_stage.backend(num_streams=4)

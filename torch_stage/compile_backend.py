@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.fx
 
-from torch_stage import streams as _streams
+from torch_stage._annotations import COMPILE_KEY
 from torch_stage.cuda_graphs import CUDAGraphModule
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.multi_stream_pass import MultiStreamPass
@@ -254,7 +254,7 @@ def prepare(gm: torch.fx.GraphModule, num_streams: int) -> torch.fx.GraphModule:
             removed_stream_ops += 1
             continue
         custom = n.meta.get("custom") or {}
-        note = custom.get(_streams.COMPILE_KEY)
+        note = custom.get(COMPILE_KEY)
         if note:
             note = dict(note)
             if "scope" in note:

@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.fx
 
-from torch_stage import streams as _streams
+from torch_stage import _annotations
 from torch_stage.fx._example import clone_inputs, isolated
 
 __all__ = ["AnnotatingTracer", "trace"]
@@ -65,7 +65,7 @@ class AnnotatingTracer(torch.fx.Tracer):
         self._evaluating = False
 
     def trace(self, root, concrete_args=None) -> torch.fx.Graph:
-        state = _streams._annotations
+        state = _annotations._annotations
         saved = (state.tracing, state.pool_size, len(state.stack))
         state.tracing = True
         state.pool_size = self.num_streams
@@ -92,7 +92,7 @@ class AnnotatingTracer(torch.fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        stack = _streams._annotations.stack
+        stack = _annotations._annotations.stack
         if kind.startswith("call_") and len(stack) > self._base_depth:
             what, value = stack[-1]
             if what == "stream":

@@ -27,13 +27,13 @@ import torch
 import torch.fx
 
 from torch_stage import _C
+from torch_stage._annotations import _check_num_streams, _check_strategy
 from torch_stage._checks import check_int
 from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.annotate import AnnotatingTracer
 from torch_stage.fx.partition import CONST, DEVICE, OUTPUT, GraphAnalysis, StreamPlan, plan
-from torch_stage.streams import _check_num_streams, _check_strategy
 
 __all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
 

@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import TensorMetadata
 from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -169,11 +170,34 @@ class _WriteRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def reads_metadata_only(n: torch.fx.Node) -> bool:
+    """Whether ``n`` is an ATen op that reads only its inputs' metadata
+    (sizes, strides, numel: ``aten.sym_size.int`` in graphs from
+    torch.export) and so is host work, never a device kernel.
+
+    From the op itself, not its name: its schema returns no tensor and
+    writes nothing, it is not tagged ``data_dependent_output``, and it runs
+    on meta stand-ins of its inputs (which hold no data, so an op that reads
+    data, ``is_nonzero`` say, raises there). Anything unsure is device work.
+    """
+    op = n.target
+    if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    schema = op._schema
+    if torch.Tag.data_dependent_output in op.tags or schema.is_mutable:
+        return False
+    for ret in schema.returns:
+        if "Tensor" in str(ret.type):
+            return False
+    return _probe(n) == []
+
+
 def _meta_for(node: torch.fx.Node) -> Optional[Any]:
     meta = node.meta.get("tensor_meta")
     if meta is None:
         return torch.empty(1, device="meta")
-    if isinstance(meta, (list, tuple)):
+    # TensorMetadata is a NamedTuple: tested before the tuple of several.
+    if not isinstance(meta, TensorMetadata):
         return None  # several outputs: the probe would need their structure
     try:
         return torch.empty(tuple(meta.shape), dtype=meta.dtype, device="meta")

@@ -43,11 +43,14 @@ from torch_stage.fx import _ops
 from torch_stage.fx._example import clone_inputs, isolated, tensors_in
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.cost_model import default_cost, is_view, may_copy
-from torch_stage.fx.effects import written_args
+from torch_stage.fx.effects import reads_metadata_only, written_args
 
 __all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
 
 INPUT, OUTPUT, HOST, CONST, DEVICE, ALIAS = "input", "output", "host", "const", "device", "alias"
+#: node.meta key set by whoever inserted a node known to be host work (the
+#: input guards torch.export adds: torch_stage/fx/multi_stream_pass.py).
+HOST_META = "torch_stage_host"
 
 _HOST_ATTRS = frozenset(
     {
@@ -380,6 +383,8 @@ class GraphAnalysis:
         if n.op == "call_function" and inputs and host_inputs and not n.users:
             # A check on host values (torch._assert on shapes): it cannot read
             # device memory, and nothing on the device waits for it.
+            return HOST
+        if n.meta.get(HOST_META) or reads_metadata_only(n):
             return HOST
         return DEVICE
 

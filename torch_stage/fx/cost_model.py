@@ -118,8 +118,22 @@ MAY_COPY = frozenset({"reshape", "reshape_as", "flatten", torch.reshape, torch.f
 
 
 def may_copy(node: torch.fx.Node) -> bool:
-    """Whether view-like ``node`` can copy (see :data:`MAY_COPY`)."""
-    return node.target in MAY_COPY
+    """Whether view-like ``node`` can copy: :data:`MAY_COPY`, and every ATen
+    op whose schema returns an alias but whose kernel is
+    CompositeImplicitAutograd (``aten.contiguous``, ``aten.reshape``,
+    ``aten.flatten``): it decomposes at run time into a view or, when the
+    strides do not allow one, a copy (the stream sanitizer caught
+    ``aten.contiguous`` writing through a clone in GPT-2's attention). Ops
+    of that kind that always alias (``aten.view_as``) are taken as copies
+    too: a stream of their own, never a wrong order."""
+    target = node.target
+    if target in MAY_COPY:
+        return True
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        target.name(), "CompositeImplicitAutograd"
+    )
 
 
 def is_view(node: torch.fx.Node) -> bool:

@@ -38,6 +38,10 @@ class _Annotations(threading.local):
         self.stack: List[tuple] = []
         # Set by torch_stage.fx.annotate while it traces in this thread.
         self.tracing = False
+        # Blocks entered (or met by torch.export) in this thread, ever: how
+        # multi_stream's export fallback, which cannot keep them, knows that
+        # a module has some.
+        self.entered = 0
         self.pool_size: Optional[int] = None
 
 
@@ -101,6 +105,16 @@ def _annotation_dropped(what: str) -> bool:
     return True
 
 
+def _count_if_exporting() -> None:
+    # torch.export (multi_stream's fallback) runs this branch too and keeps
+    # no annotation; counting the block lets it refuse the module instead of
+    # planning it without. Never under Dynamo proper, which would trace the
+    # thread-local's mutation.
+    exporting = getattr(torch.compiler, "is_exporting", None)
+    if exporting is not None and exporting():
+        _annotations.entered += 1
+
+
 def _next_compile_scope() -> int:
     return next(_compile_scopes)
 
@@ -135,6 +149,7 @@ class StreamAnnotation:
         if _is_plain_fx_tracing():
             _warn_lost(f"torch_stage.stream({self.index})")
         _annotations.stack.append(("stream", self.index))
+        _annotations.entered += 1
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -191,6 +206,7 @@ def stream(index: int):
             f"got {type(index).__name__} ({index!r})"
         )
     if torch.compiler.is_compiling():
+        _count_if_exporting()
         # Dynamo traces this branch: no thread-local state, no pool size.
         if not 0 <= index < MAX_STREAMS:
             raise ValueError(
@@ -242,6 +258,7 @@ class ColocateAnnotation:
         if _is_plain_fx_tracing():
             _warn_lost("torch_stage.colocate_with(...)")
         _annotations.stack.append(("colocate", self._scope))
+        _annotations.entered += 1
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -271,6 +288,7 @@ def colocate_with(x: Union[torch.Tensor, torch.fx.Proxy, torch.fx.Node]):
         TypeError: ``x`` is not a tensor, proxy or node.
     """
     if torch.compiler.is_compiling():
+        _count_if_exporting()
         if not _DYNAMO_CARRIES_ANNOTATIONS:
             return _compiled_block({}, "torch_stage.colocate_with(...)")
         if not isinstance(x, torch.Tensor):

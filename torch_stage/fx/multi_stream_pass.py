@@ -26,14 +26,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 
-from torch_stage import _C
+from torch_stage import _C, _annotations
 from torch_stage._annotations import _check_num_streams, _check_strategy
 from torch_stage._checks import check_int
 from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.annotate import AnnotatingTracer
-from torch_stage.fx.partition import CONST, DEVICE, OUTPUT, GraphAnalysis, StreamPlan, plan
+from torch_stage.fx.partition import (
+    ALIAS,
+    CONST,
+    DEVICE,
+    HOST_META,
+    OUTPUT,
+    GraphAnalysis,
+    StreamPlan,
+    plan,
+)
 
 __all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
 
@@ -113,14 +122,66 @@ class MultiStreamPass:
         except (ValueError, TypeError) as exc:
             if str(exc).startswith("torch_stage."):
                 raise  # a bad annotation: its own message says what to fix
-            raise self._trace_error(name, exc) from exc
-        except Exception as exc:
-            raise self._trace_error(name, exc) from exc
+            return self._export(module, name, exc)
+        except Exception as exc:  # noqa: BLE001  (any tracing failure: try export, else explain)
+            return self._export(module, name, exc)
         _drop_unmet_return_type(graph)
         return torch.fx.GraphModule(tracer.root, graph, name)
 
-    def _trace_error(self, name: str, exc: Exception) -> MultiStreamTraceError:
+    def _export(self, module: torch.nn.Module, name: str, exc: Exception) -> torch.fx.GraphModule:
+        """Symbolic tracing failed: with example inputs, capture ``module``
+        with ``torch.export`` instead.
+
+        Non-strict export runs forward as Python on fake tensors, so it
+        follows what symbolic tracing cannot (Hugging Face models read
+        configs, iterate tensors, branch on shapes); its graph holds ATen
+        ops, which the planner reads from their schemas like any other.
+        ``ExportedProgram.module()`` keeps forward's call signature (its
+        pytree codegen flattens the arguments and rebuilds the outputs);
+        every dimension is dynamic (``Dim.AUTO``) so that other batch and
+        sequence sizes run too, where the model allows. Stream annotations
+        are not seen by export: a module that has them is refused rather
+        than planned without them.
+        """
         if self.example_inputs is None:
+            raise self._trace_error(name, exc) from exc
+        state = _annotations._annotations
+        entered = state.entered
+        try:
+            program = torch.export.export(
+                module,
+                self.example_inputs,
+                dynamic_shapes=_all_dynamic(self.example_inputs),
+                strict=False,
+            )
+        except Exception as export_exc:  # noqa: BLE001  (explained, with the first failure)
+            raise self._trace_error(name, exc, export_exc) from exc
+        if state.entered != entered:
+            raise MultiStreamTraceError(
+                f"torch_stage.multi_stream could not trace {name} with torch.fx "
+                f"({type(exc).__name__}: {exc}), and torch.export, which could, does not "
+                "keep its torch_stage.stream / colocate_with annotations. Compile the "
+                'model with torch.compile(model, backend="torch_stage"), which keeps '
+                "them (torch >= 2.10)."
+            )
+        exported = program.module()
+        for n in exported.graph.nodes:
+            # The input checks export adds (shapes, dtypes): host work.
+            if n.op == "call_module" and n.target == "_guards_fn":
+                n.meta[HOST_META] = True
+        return exported
+
+    def _trace_error(
+        self, name: str, exc: Exception, export_exc: Optional[Exception] = None
+    ) -> MultiStreamTraceError:
+        if export_exc is not None:
+            hint = (
+                f"torch.export with example_inputs could not capture it either "
+                f"({type(export_exc).__name__}: {str(export_exc).splitlines()[0]}); compile "
+                'the model with torch.compile(model, backend="torch_stage"), which splits '
+                "it where tracing stops."
+            )
+        elif self.example_inputs is None:
             hint = (
                 "Pass example_inputs=(...) so that control flow on tensor values is "
                 "decided from real values while tracing, or compile the model with "
@@ -132,7 +193,7 @@ class MultiStreamPass:
                 "Tracing with example_inputs could not follow it either; compile the "
                 'model with torch.compile(model, backend="torch_stage"), which splits '
                 "it where tracing stops."
-            )
+            )  # pragma: no cover  (with example_inputs, export is tried first)
         return MultiStreamTraceError(
             f"torch_stage.multi_stream could not trace {name} with torch.fx: "
             f"{type(exc).__name__}: {exc}. {hint}"
@@ -160,6 +221,18 @@ class MultiStreamPass:
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
+
+
+def _all_dynamic(inputs: Sequence[Any]):
+    """``dynamic_shapes`` for torch.export: every dimension of every tensor
+    input left for export to decide (``Dim.AUTO``, torch >= 2.6; static on
+    older releases, where the graph then holds only for these shapes)."""
+    auto = getattr(torch.export.Dim, "AUTO", None)
+    if auto is None:
+        return None
+    return tuple(
+        {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs
+    )
 
 
 def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:
@@ -271,8 +344,10 @@ class _Rewrite:
     def _fork(self, nodes: List[torch.fx.Node]) -> None:
         placeholders = [n for n in nodes if n.op == "placeholder"]
         probes: List[Any] = [p for p in placeholders if self._may_hold_tensor(p)]
-        first = next(n for n in nodes if n.op != "placeholder")
-        with self.graph.inserting_before(first):
+        # After the last placeholder, not the first non-placeholder: graphs
+        # from torch.export put their get_attr nodes before the inputs.
+        last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+        with self.graph.inserting_before(nodes[last + 1]):
             # A parameter too: it decides the device for modules whose
             # inputs are not tensors.
             param = next(iter(self._tensor_attributes()), None)
@@ -307,17 +382,32 @@ class _Rewrite:
             self.current = s
 
     def _constants_for(self, n: torch.fx.Node, s: int) -> None:
-        """Re-create on stream ``s`` each constant ``n`` reads (once per stream)."""
+        """Re-create on stream ``s`` each constant ``n`` reads (once per
+        stream), and each view of constants it reads (``arange(n)[:, None]``
+        as an index: the view of a copy made on another stream would be read
+        here unordered; the stream sanitizer found it in GPT-2)."""
         for c in list(n.all_input_nodes):
-            if self.analysis.kind.get(c) != CONST:
+            if not self._constant_made(c):
                 continue
             key = (c, s)
             if key not in self.copies:
                 with self.graph.inserting_before(n):
                     self.copies[key] = self.graph.node_copy(c)
+                # A copy is what its original is (a view of constants can
+                # be reached through copies made for other streams).
+                self.analysis.kind[self.copies[key]] = self.analysis.kind[c]
                 # zeros_like(c2) where c2 is a constant too.
                 self._constants_for(self.copies[key], s)
             n.replace_input_with(c, self.copies[key])
+
+    def _constant_made(self, c: torch.fx.Node) -> bool:
+        """``c`` is a constant, or a view of constants only."""
+        kind = self.analysis.kind.get(c)
+        if kind == CONST:
+            return True
+        if kind != ALIAS or self.analysis.roots(c):
+            return False
+        return any(self._constant_made(a) for a in c.all_input_nodes)
 
     def _device_node(self, n: torch.fx.Node) -> None:
         i = self.analysis.index[n]

@@ -1,0 +1,146 @@
+"""Hugging Face transformers (BERT, GPT-2, the T5 encoder; small configs, no
+weights) through multi_stream and the compile backend, under the stream
+sanitizer.
+
+Symbolic tracing cannot follow these models (they branch on tensors and
+iterate over them), so multi_stream captures them with torch.export when
+example inputs are given (torch_stage/fx/multi_stream_pass.py); the result
+keeps forward's call signature and output type."""
+
+import warnings
+
+import pytest
+import torch
+
+import torch_stage
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.own_sanitizer
+
+
+def bert():
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertModel(config)
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        # A cache object is not a tensor output torch.export can return.
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2Model(config)
+
+
+def t5_encoder():
+    config = transformers.T5Config(
+        vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0
+    )
+    return transformers.T5EncoderModel(config)
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "t5_encoder": t5_encoder}
+
+
+def ids(batch, length, seed=0):
+    return torch.randint(0, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def build(name):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return MODELS[name]().eval()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_multi_stream_captures_by_export_and_equals_eager(name):
+    model = build(name)
+    x = ids(2, 16)
+    rewritten = torch_stage.multi_stream(model, num_streams=4, example_inputs=(x,))
+    plan = rewritten.stream_plan
+    with torch.no_grad(), torch_stage.sanitize_streams():
+        out = rewritten(x)
+        # Every dimension is dynamic: other batch and sequence sizes run too.
+        other = rewritten(ids(3, 9, seed=1))
+    with torch.no_grad():
+        ref, ref_other = model(x), model(ids(3, 9, seed=1))
+    assert type(out) is type(ref)
+    assert torch.equal(out.last_hidden_state, ref.last_hidden_state)
+    assert torch.equal(other.last_hidden_state, ref_other.last_hidden_state)
+    # Attention's query, key and value projections spread over the pool.
+    assert len(plan.streams_used) >= 3, str(plan)
+    # Shape reads and the input guards export adds are host work: no stream.
+    assert not [n for n in plan.assignment if n.startswith("sym_size") or n == "_guards_fn"], str(
+        plan
+    )
+
+
+def test_training_through_the_exported_plan_is_race_free_and_bit_equal():
+    model = build("bert").train()
+    x = ids(2, 16)
+    rewritten = torch_stage.multi_stream(model, num_streams=4, example_inputs=(x,))
+    with torch_stage.sanitize_streams():
+        rewritten(x).last_hidden_state.square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(x).last_hidden_state.square().sum().backward()
+    assert grads and grads.keys() == {k for k, p in model.named_parameters() if p.grad is not None}
+    assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters() if k in grads)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compile_backend_equals_dynamo_with_the_eager_backend(name):
+    model = build(name)
+    x = ids(2, 16)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        expected = torch.compile(model, backend="eager")(x)
+        torch._dynamo.reset()
+        with torch_stage.sanitize_streams():
+            got = torch.compile(model, backend="torch_stage", options={"num_streams": 4})(x)
+        ref = model(x)
+    assert type(got) is type(ref)
+    assert torch.equal(got.last_hidden_state, expected.last_hidden_state)
+    torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state)
+
+
+def test_without_example_inputs_the_error_says_to_give_them():
+    with pytest.raises(torch_stage.MultiStreamTraceError, match="example_inputs"):
+        torch_stage.multi_stream(build("bert"))
+
+
+def test_annotations_are_not_dropped_silently_by_the_export_fallback():
+    class Annotated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            # Symbolic tracing cannot make an int of a traced size; export can.
+            rows = int(x.shape[0])
+            with torch_stage.stream(1):
+                y = self.a(x)
+            return y + self.b(x) + x.new_zeros(rows, 4)
+
+    x = torch.ones(2, 4)
+    with pytest.raises(torch_stage.MultiStreamTraceError, match="does not keep its"):
+        torch_stage.multi_stream(Annotated(), example_inputs=(x,))

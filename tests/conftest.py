@@ -86,7 +86,7 @@ _SANITIZED_MODULES = frozenset(
         "test_cuda_graphs",
         "test_fx_annotate",
         "test_fx_multi_stream_pass",
-        "test_fx_partition",
+        "test_fx_analysis",
         "test_stream_ops",
         "test_stream_scope",
         "test_streams",

@@ -63,7 +63,7 @@ def _cycle(graph):
 
 def test_the_modules_are_found():
     modules = _modules()
-    assert {"torch_stage.streams", "torch_stage._annotations", "torch_stage.fx.partition"} <= set(
+    assert {"torch_stage.streams", "torch_stage._annotations", "torch_stage.fx.analysis"} <= set(
         modules
     )
 

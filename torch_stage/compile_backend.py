@@ -49,7 +49,7 @@ from torch_stage._annotations import COMPILE_KEY
 from torch_stage.cuda_graphs import CUDAGraphModule
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.multi_stream_pass import MultiStreamPass
-from torch_stage.fx.partition import StreamPlan
+from torch_stage.fx.stream_plan import StreamPlan
 
 __all__ = ["BACKEND_NAME", "MODES", "OPTIONS", "Backend", "backend", "prepare"]
 

@@ -10,10 +10,11 @@
 """
 
 from torch_stage.fx import _ops  # noqa: F401  (marks the stream ops side-effecting)
+from torch_stage.fx.analysis import GraphAnalysis
 from torch_stage.fx.annotate import AnnotatingTracer, trace
 from torch_stage.fx.cost_model import default_cost
 from torch_stage.fx.multi_stream_pass import MultiStreamPass
-from torch_stage.fx.partition import GraphAnalysis, PlanEvent, PlanWait, StreamPlan
+from torch_stage.fx.stream_plan import PlanEvent, PlanWait, StreamPlan
 
 __all__ = [
     "AnnotatingTracer",

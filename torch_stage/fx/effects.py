@@ -24,7 +24,7 @@ Schemas understate a few writes, written down here with a test each
 (``native_batch_norm`` and ``F.batch_norm`` take them as plain inputs),
 by their argument names here (:func:`understated_writes`, which the stream
 sanitizer uses too) and for modules where modules are classified
-(torch_stage/fx/partition.py); RNG state, which the rewrite keeps by
+(torch_stage/fx/analysis.py); RNG state, which the rewrite keeps by
 issuing random ops in their original order (tests/test_streams.py: the
 ``random_branches`` zoo model is bit-identical to eager).
 """

@@ -32,17 +32,10 @@ from torch_stage._checks import check_int
 from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
+from torch_stage.fx.analysis import GraphAnalysis
 from torch_stage.fx.annotate import AnnotatingTracer
-from torch_stage.fx.partition import (
-    ALIAS,
-    CONST,
-    DEVICE,
-    HOST_META,
-    OUTPUT,
-    GraphAnalysis,
-    StreamPlan,
-    plan,
-)
+from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST_META, OUTPUT
+from torch_stage.fx.stream_plan import StreamPlan, plan
 
 __all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
 

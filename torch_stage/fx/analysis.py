@@ -1,6 +1,7 @@
-"""From a ``torch.fx`` graph to the scheduler's DAG, and the plan it returns.
+"""From a ``torch.fx`` graph to the scheduler's DAG.
 
-:class:`GraphAnalysis` sorts the nodes of a graph into
+:class:`GraphAnalysis` sorts the nodes of a graph
+(:mod:`torch_stage.fx.classify`) into
 
 * inputs (placeholders, parameters): ready at entry, never waited on;
 * host nodes: metadata and Python arithmetic on it (``x.shape``,
@@ -23,203 +24,38 @@ reader and before every later reader of the tensors it may alias. Random ops
 need no edge: their values are fixed by their launch order on the host,
 which the rewrite keeps.
 
-:func:`plan` sends the DAG to ``torch.ops.torch_stage.plan_streams`` (the C++
-scheduler) and wraps the answer in a :class:`StreamPlan`.
+:func:`torch_stage.fx.stream_plan.plan` sends the DAG to the C++ scheduler
+and wraps the answer in a :class:`~torch_stage.fx.stream_plan.StreamPlan`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
 from torch_stage.fx import _ops
 from torch_stage.fx._example import clone_inputs, isolated, tensors_in
 from torch_stage.fx.annotate import META_KEY
-from torch_stage.fx.cost_model import default_cost, is_view, may_copy
-from torch_stage.fx.effects import reads_metadata_only, written_args
-
-__all__ = ["GraphAnalysis", "PlanEvent", "PlanWait", "StreamPlan", "plan"]
-
-INPUT, OUTPUT, HOST, CONST, DEVICE, ALIAS = "input", "output", "host", "const", "device", "alias"
-#: node.meta key set by whoever inserted a node known to be host work (the
-#: input guards torch.export adds: torch_stage/fx/multi_stream_pass.py).
-HOST_META = "torch_stage_host"
-
-_HOST_ATTRS = frozenset(
-    {
-        "shape",
-        "dtype",
-        "device",
-        "ndim",
-        "is_cuda",
-        "layout",
-        "requires_grad",
-        "is_sparse",
-        "is_quantized",
-        "is_leaf",
-        "names",
-    }
+from torch_stage.fx.classify import (
+    ALIAS,
+    CONST,
+    DEVICE,
+    HOST,
+    INPUT,
+    OUTPUT,
+    classify,
+    is_alias,
+    is_embedding,
 )
-_HOST_METHODS = frozenset(
-    {
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "stride",
-        "is_contiguous",
-        "is_floating_point",
-        "is_complex",
-        "get_device",
-        "element_size",
-        "storage_offset",
-        "has_names",
-    }
-)
-_CONST_FACTORIES = frozenset(
-    {
-        torch.zeros,
-        torch.ones,
-        torch.full,
-        torch.empty,
-        torch.arange,
-        torch.eye,
-        torch.tensor,
-        torch.linspace,
-        torch.logspace,
-        torch.scalar_tensor,
-        torch.zeros_like,
-        torch.ones_like,
-        torch.full_like,
-        torch.empty_like,
-    }
-)
-# The same in ATen graphs (torch.compile), by overload packet.
-_CONST_ATEN = frozenset(
-    {
-        torch.ops.aten.zeros,
-        torch.ops.aten.ones,
-        torch.ops.aten.full,
-        torch.ops.aten.empty,
-        torch.ops.aten.arange,
-        torch.ops.aten.eye,
-        torch.ops.aten.scalar_tensor,
-        torch.ops.aten.zeros_like,
-        torch.ops.aten.ones_like,
-        torch.ops.aten.full_like,
-        torch.ops.aten.empty_like,
-    }
-)
-_EMBEDDING_FUNCTIONS = frozenset(
-    {F.embedding, F.embedding_bag, torch.embedding, torch.embedding_bag}
-)
-_EMBEDDING_ATEN = frozenset(
-    {
-        torch.ops.aten.embedding,
-        torch.ops.aten.embedding_bag,
-        torch.ops.aten._embedding_bag,
-        torch.ops.aten._embedding_bag_forward_only,
-    }
-)
-_HOST_MODULES = frozenset({"_operator", "operator", "math", "builtins"})
+from torch_stage.fx.cost_model import default_cost, is_view
+from torch_stage.fx.effects import written_args
 
-
-@dataclass(frozen=True)
-class PlanEvent:
-    """Event ``id`` is recorded on ``stream`` right after node ``node``."""
-
-    id: int
-    node: str
-    stream: int
-
-
-@dataclass(frozen=True)
-class PlanWait:
-    """Before node ``node`` runs, its ``stream`` waits on ``event`` (recorded
-    after node ``after``)."""
-
-    node: str
-    stream: int
-    event: int
-    after: str
-
-
-@dataclass
-class StreamPlan:
-    """What the multi-stream pass decided for a graph.
-
-    Attributes:
-        strategy: the strategy that placed the nodes (never ``"auto"``).
-        reason: why (``"requested"``, or the rule ``"auto"`` applied).
-        num_streams: the pool size.
-        assignment: node name -> stream, for every node that launches device
-            work, in graph order.
-        events: the events recorded, in the order of their nodes.
-        waits: the waits, in issue order.
-        keeps: ``(node, producer, stream)``: before ``node``, ``producer``'s
-            tensors are marked as used on ``stream`` (``record_stream``).
-        fork: side streams that wait for the caller's stream at entry.
-        join: side streams the caller's stream waits on at exit.
-        constants: constant node name -> streams it is created on.
-        cross_stream_edges: dependencies between nodes on different streams
-            (each is ordered by a wait, directly or through earlier ones).
-    """
-
-    strategy: str
-    reason: str
-    num_streams: int
-    assignment: Dict[str, int]
-    events: List[PlanEvent]
-    waits: List[PlanWait]
-    keeps: List[Tuple[str, str, int]]
-    fork: List[int]
-    join: List[int]
-    constants: Dict[str, List[int]] = field(default_factory=dict)
-    cross_stream_edges: int = 0
-    chains: int = 0
-    groups: int = 0
-
-    @property
-    def streams_used(self) -> List[int]:
-        """The streams that run at least one node, ascending."""
-        return sorted(set(self.assignment.values()))
-
-    def __str__(self) -> str:
-        used = self.streams_used
-        lines = [
-            f"StreamPlan: strategy {self.strategy} ({self.reason}); "
-            f"{len(used)} of {self.num_streams} streams used, {len(self.events)} events, "
-            f"{len(self.waits)} waits for {self.cross_stream_edges} cross-stream dependencies"
-        ]
-        if self.fork:
-            lines.append(f"  fork: streams {self.fork} wait for stream 0 (the caller's)")
-        waits: Dict[str, List[PlanWait]] = {}
-        for w in self.waits:
-            waits.setdefault(w.node, []).append(w)
-        records = {e.node: e for e in self.events}
-        width = max((len(n) for n in self.assignment), default=4)
-        for name, s in self.assignment.items():
-            notes = [f"wait e{w.event} ({w.after})" for w in waits.get(name, [])]
-            if name in records:
-                notes.append(f"record e{records[name].id}")
-            line = f"  [{s}] {name:<{width}}"
-            if notes:
-                line += "  " + ", ".join(notes)
-            lines.append(line.rstrip())
-        for name, streams in self.constants.items():
-            lines.append(f"  constant {name} created on streams {streams}")
-        if self.fork:
-            joined = self.join if self.join else "none (stream 0 already waited on them)"
-            lines.append(f"  join: stream 0 waits on streams {joined}")
-        return "\n".join(lines)
+__all__ = ["GraphAnalysis"]
 
 
 class _ShapeAndAlias(ShapeProp):
@@ -303,7 +139,7 @@ class GraphAnalysis:
             self._propagate(example_inputs)
         self.kind: Dict[torch.fx.Node, str] = {}
         for n in self.nodes:
-            self.kind[n] = self._classify(n)
+            self.kind[n] = classify(self, n)
         self.mutated: Dict[torch.fx.Node, List[torch.fx.Node]] = {}
         for n in self.nodes:
             if self.kind[n] not in (INPUT, OUTPUT, HOST):
@@ -320,7 +156,7 @@ class GraphAnalysis:
             ):
                 self.kind[n] = DEVICE
         for n in self.nodes:
-            if self.kind[n] == DEVICE and n not in self.mutated and self._is_alias(n):
+            if self.kind[n] == DEVICE and n not in self.mutated and is_alias(self.gm, n):
                 self.kind[n] = ALIAS
         self.device_nodes = [n for n in self.nodes if self.kind[n] == DEVICE]
         self.index = {n: i for i, n in enumerate(self.device_nodes)}
@@ -353,48 +189,6 @@ class GraphAnalysis:
 
     # -- classification ---------------------------------------------------
 
-    def _classify(self, n: torch.fx.Node) -> str:
-        if n.op in ("placeholder", "get_attr"):
-            return INPUT
-        if n.op == "output":
-            return OUTPUT
-        inputs = n.all_input_nodes
-        host_inputs = all(self.kind[a] == HOST for a in inputs)
-        if n.op == "call_function" and n.target is getattr and n.args[1] in _HOST_ATTRS:
-            return HOST
-        if n.op == "call_method" and n.target in _HOST_METHODS:
-            return HOST
-        if n.op == "call_function" and self._factory(n.target) and "out" not in n.kwargs:
-            packet = getattr(n.target, "overloadpacket", n.target)
-            like = str(getattr(packet, "__name__", packet)).endswith("_like")
-            rest = inputs[1:] if like and inputs and n.args and n.args[0] is inputs[0] else inputs
-            if all(self.kind[a] == HOST for a in rest):
-                return CONST
-        if n.op == "call_function" and inputs and host_inputs and self._host_function(n.target):
-            return HOST
-        if n.op == "call_method" and inputs and host_inputs:
-            # A method of a host value (host nodes never hold tensors).
-            return HOST
-        if self.shapes_known and inputs and host_inputs:
-            # Python computing on host values only (the example run saw no
-            # tensor come out).
-            if not n.meta.get("torch_stage_has_tensor", True):
-                return HOST
-        if n.op == "call_function" and inputs and host_inputs and not n.users:
-            # A check on host values (torch._assert on shapes): it cannot read
-            # device memory, and nothing on the device waits for it.
-            return HOST
-        if n.meta.get(HOST_META) or reads_metadata_only(n):
-            return HOST
-        return DEVICE
-
-    def _is_alias(self, n: torch.fx.Node) -> bool:
-        if META_KEY in n.meta:
-            return False
-        if n.op == "call_module":
-            return isinstance(self.gm.get_submodule(n.target), torch.nn.Identity)
-        return is_view(n) and not may_copy(n)
-
     def roots(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         """The device nodes whose result ``n`` is or aliases."""
         kind = self.kind.get(n)
@@ -408,16 +202,6 @@ class GraphAnalysis:
                 if r not in found:
                     found.append(r)
         return found
-
-    @staticmethod
-    def _factory(target: Any) -> bool:
-        if target in _CONST_FACTORIES:
-            return True
-        return getattr(target, "overloadpacket", None) in _CONST_ATEN
-
-    @staticmethod
-    def _host_function(target: Any) -> bool:
-        return getattr(target, "__module__", None) in _HOST_MODULES
 
     def _mutated_args(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         found: List[Any] = []
@@ -601,22 +385,11 @@ class GraphAnalysis:
         groups = [-1] * len(self.device_nodes)
         count = 0
         for i, n in enumerate(self.device_nodes):
-            if self._is_embedding(n):
+            if is_embedding(self.gm, n):
                 groups[i] = count
                 count += 1
         self.num_embedding_lookups = count
         return groups
-
-    def _is_embedding(self, n: torch.fx.Node) -> bool:
-        if n.op == "call_module":
-            return isinstance(
-                self.gm.get_submodule(n.target), (torch.nn.Embedding, torch.nn.EmbeddingBag)
-            )
-        if n.op == "call_function":
-            target = n.target
-            packet = getattr(target, "overloadpacket", target)
-            return target in _EMBEDDING_FUNCTIONS or packet in _EMBEDDING_ATEN
-        return False
 
 
 def _flat_nodes(value: Any) -> List[Any]:
@@ -630,62 +403,3 @@ def _target_name(n: torch.fx.Node) -> str:
     if isinstance(target, str):
         return target
     return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-
-
-def plan(analysis: GraphAnalysis, strategy: str, verify: bool = False) -> Tuple[StreamPlan, dict]:
-    """Plan the analysed graph with the C++ scheduler.
-
-    Returns the :class:`StreamPlan` and the raw plan (per device node, by
-    position in ``analysis.device_nodes``) the rewrite works from.
-    """
-    count = len(analysis.device_nodes)
-    edges = sorted(analysis.edges.items())
-    chosen, reason, raw = torch.ops.torch_stage.plan_streams(
-        count,
-        [u for (u, _), _ in edges],
-        [v for (_, v), _ in edges],
-        [kind for _, kind in edges],
-        [float(c) for c in analysis.costs],
-        analysis.fixed,
-        analysis.colocation,
-        analysis.embedding_group,
-        strategy,
-        analysis.num_streams,
-        analysis.costs_known,
-        verify,
-    )
-    names = [n.name for n in analysis.device_nodes]
-    stream = list(raw["stream"])
-    events = [
-        PlanEvent(id=e, node=names[node], stream=s)
-        for e, (node, s) in enumerate(zip(raw["event_node"], raw["event_stream"]))
-    ]
-    waits = [
-        PlanWait(
-            node=names[node],
-            stream=stream[node],
-            event=e,
-            after=names[raw["event_node"][e]],
-        )
-        for node, e in zip(raw["wait_node"], raw["wait_event"])
-    ]
-    keeps = [
-        (names[node], names[producer], stream[node])
-        for node, producer in zip(raw["keep_node"], raw["keep_producer"])
-    ]
-    chains, groups, cross = raw["stats"]
-    result = StreamPlan(
-        strategy=chosen,
-        reason=reason,
-        num_streams=analysis.num_streams,
-        assignment=dict(zip(names, stream)),
-        events=events,
-        waits=waits,
-        keeps=keeps,
-        fork=list(raw["fork"]),
-        join=list(raw["join"]),
-        cross_stream_edges=cross,
-        chains=chains,
-        groups=groups,
-    )
-    return result, dict(raw)

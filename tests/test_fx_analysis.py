@@ -1,4 +1,5 @@
-"""The graph as the scheduler sees it, and plans (torch_stage/fx/partition.py)."""
+"""The graph as the scheduler sees it (torch_stage/fx/analysis.py,
+torch_stage/fx/classify.py), and plans (torch_stage/fx/stream_plan.py)."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from zoo import InPlaceModel
 
 import torch_stage
 from torch_stage.fx import GraphAnalysis, trace
-from torch_stage.fx.partition import ALIAS, CONST, DEVICE, HOST, INPUT, OUTPUT, plan
+from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST, INPUT, OUTPUT
+from torch_stage.fx.stream_plan import plan
 
 
 def analyse(module, num_streams=4, example_inputs=None, cost_model=None):

@@ -4,6 +4,8 @@
   in the same run:
 
   - ``eager_single_stream``: the module as written;
+  - ``fx_graph_module``: its traced graph before the multi-stream pass
+    (what FX's generated code costs by itself);
   - ``eager_multi_stream``: ``torch_stage.multi_stream(module, 4 streams)``;
   - ``cuda_graph_single_stream`` / ``cuda_graph_multi_stream``: the same
     two replayed from CUDA graphs (``cuda_graphs=True``; GPU only);
@@ -83,6 +85,8 @@ def _variants(module, device, inductor):
     torch._dynamo.reset()
     variants = {
         "eager_single_stream": module,
+        # The traced graph before the pass: what FX itself costs.
+        "fx_graph_module": MultiStreamPass(num_streams=NUM_STREAMS).trace(module),
         "eager_multi_stream": torch_stage.multi_stream(module, num_streams=NUM_STREAMS),
     }
     if device == "cuda":
@@ -99,7 +103,11 @@ def _variants(module, device, inductor):
 
 
 def _matches(name, expected, got, device, random_ops):
-    exact = device == "cpu" and name in ("eager_multi_stream", "compile_torch_stage")
+    exact = device == "cpu" and name in (
+        "fx_graph_module",
+        "eager_multi_stream",
+        "compile_torch_stage",
+    )
     if exact:
         return bool(torch.equal(expected, got))
     if random_ops and name not in ("eager_multi_stream", "compile_torch_stage"):
@@ -153,7 +161,21 @@ def bench_models(device, batch, iters, inductor):
         if not inductor:
             row.setdefault("skipped", {})["compile_inductor"] = "--no-inductor"
         results.append(row)
+        _table_row(row, key)
     return results
+
+
+def _table_row(row, key):
+    """One readable line per model on stderr (stdout is the JSON)."""
+    times = row[key]
+    base = times["eager_single_stream"]
+    cells = "  ".join(
+        f"{name} {ms:.3f} ({ms / base:.2f}x)" for name, ms in times.items() if name in _TABLE
+    )
+    print(f"{row['model']:<16} {key} eager {base:.3f}  {cells}", file=sys.stderr, flush=True)
+
+
+_TABLE = ("fx_graph_module", "eager_multi_stream", "compile_torch_stage")
 
 
 def bench_sanitizer(batch, iters):

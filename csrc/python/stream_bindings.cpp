@@ -16,6 +16,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <vector>
 
 #include "python/bindings.h"
@@ -35,9 +36,54 @@ Run run_from(py::handle obj) {
       obj, "torch.classes.torch_stage.StreamRun");
 }
 
+// StreamRun::device_of over the Python objects themselves (the first
+// non-CPU tensor, depth first), without converting them to IValues.
+std::optional<c10::Device> device_of(py::handle obj) {
+  PyObject* p = obj.ptr();
+  if (THPVariable_Check(p)) {
+    const at::Tensor& t = THPVariable_Unpack(p);
+    if (t.defined() && t.device().type() != c10::DeviceType::CPU) {
+      return t.device();
+    }
+    return std::nullopt;
+  }
+  if (PyTuple_Check(p) || PyList_Check(p)) {
+    for (py::handle item : obj) {
+      if (auto d = device_of(item)) {
+        return d;
+      }
+    }
+  } else if (PyDict_Check(p)) {
+    for (auto item : py::reinterpret_borrow<py::dict>(obj)) {
+      if (auto d = device_of(item.second)) {
+        return d;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 } // namespace
 
 void init_streams(py::module_& m) {
+  // fork through torch.ops converts its `Any` probes to IValues and checks
+  // every argument for __torch_function__: ~10-20 us, the largest host cost
+  // of a rewritten forward. Same StreamRun, same observer notes.
+  m.def(
+      "_stream_fork",
+      [](int64_t num_streams,
+         const std::vector<int64_t>& side_streams,
+         int64_t num_events,
+         py::handle probes) {
+        RECORD_FUNCTION("torch_stage::fork", std::vector<c10::IValue>());
+        auto run = c10::make_intrusive<StreamRun>(
+            device_of(probes), num_streams, side_streams, num_events);
+        return torch::jit::toPyObject(c10::IValue(std::move(run)));
+      },
+      py::arg("num_streams"),
+      py::arg("side_streams"),
+      py::arg("num_events"),
+      py::arg("probes"));
   m.def(
       "_stream_set_stream",
       [](py::handle run, int64_t stream) {

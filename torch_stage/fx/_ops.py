@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 _ns = torch.ops.torch_stage
-fork = _ns.fork
 
 
 # The ops that take the run (a torch.ScriptObject) are called through these
@@ -54,6 +53,20 @@ def _direct(run: Any) -> bool:
         and not torch.compiler.is_compiling()
         and torch._C._get_tracing_state() is None
     )
+
+
+def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
+    """Start a stream run: the side streams wait for the current stream
+    (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs and a
+    parameter) give the device. Eagerly through torch_stage._C, as the
+    functions below; the op while tracing or for tensor subclasses."""
+    if (
+        not torch.compiler.is_compiling()
+        and torch._C._get_tracing_state() is None
+        and not torch._C._has_torch_function(probes)
+    ):
+        return _C._stream_fork(num_streams, side_streams, num_events, probes)
+    return _ns.fork(num_streams, side_streams, num_events, probes)
 
 
 def set_stream(run: Any, stream: int) -> None:
@@ -94,11 +107,11 @@ def join(run: Any, side_streams: List[int]) -> None:
     return _ns.join(run, side_streams)
 
 
-_FUNCTIONS = (set_stream, record_event, wait_event, record_stream, join)
+_FUNCTIONS = (fork, set_stream, record_event, wait_event, record_stream, join)
 
 #: Every target a stream op node may have: the pass's functions, and the ops
 #: (which graphs traced from a rewritten module hold).
-STREAM_OPS = (fork,) + _FUNCTIONS + tuple(getattr(_ns, f.__name__) for f in _FUNCTIONS)
+STREAM_OPS = _FUNCTIONS + tuple(getattr(_ns, f.__name__) for f in _FUNCTIONS)
 
 for _op in STREAM_OPS:
     has_side_effect(_op)

@@ -94,10 +94,17 @@ def test_in_place_writes_are_ordered_against_every_reader():
     # view of it.
     assert e[("add_", "sum_1")] == 1
     assert ("add_", "copy_") in e
-    # Side effects keep their order: add_, mul_, setitem, copy_, act, relu_.
-    chain = ["add_", "mul_", "setitem", "copy_", "act", "relu_"]
-    for before, after in zip(chain, chain[1:]):
+    # Writes are ordered per storage, not in one global chain: a's writes
+    # (add_, relu_) and its readers, buf's writes (setitem, then copy_
+    # through a view); a.add_ and b.mul_ touch different tensors.
+    for before, after in [
+        ("add_", "relu_"),  # write after write, a
+        ("copy_", "relu_"),  # write after read: copy_ reads a view of a
+        ("setitem", "copy_"),  # write after write, buf
+        ("mul_", "setitem"),  # setitem reads b after b.mul_
+    ]:
         assert (before, after) in e, (before, after)
+    assert ("add_", "mul_") not in e and ("mul_", "add_") not in e
     # zeros_like is written (item assignment, and through a view), so it is
     # device work, not a constant copied per stream; ones_like is constant.
     k = kinds(analysis)

@@ -230,3 +230,44 @@ def test_shared_running_stats_are_ordered_across_streams():
     assert sanitizer.races == []
     torch.testing.assert_close(out, eager(x))
     torch.testing.assert_close(model.mean, eager.mean)
+
+
+class _BasicConv(torch.nn.Module):
+    """torchvision's BasicConv2d: conv, batch norm, in-place ReLU."""
+
+    def __init__(self, cin, cout, k):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, k, padding=k // 2, bias=False)
+        self.bn = torch.nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)), inplace=True)
+
+
+class _InceptionBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branches = torch.nn.ModuleList(
+            torch.nn.Sequential(_BasicConv(8, 4, 1), _BasicConv(4, 4, 3)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.branches], 1)
+
+
+@pytest.mark.own_sanitizer
+def test_in_place_relus_of_independent_branches_are_not_ordered_with_each_other():
+    # Each branch's ReLUs write only that branch's tensors: ordering them
+    # with the other branches' (a global chain of writes) pulled every
+    # branch after the first onto one stream in torchvision's GoogLeNet.
+    block = _InceptionBlock().eval()
+    x = torch.randn(1, 8, 6, 6)
+    model = torch_stage.multi_stream(block, num_streams=4, strategy="min_sync")
+    plan = model.stream_plan
+    assert len(plan.streams_used) == 4, str(plan)
+    # Only the concatenation waits, once for each side branch.
+    assert len(plan.waits) == 3 and {w.node for w in plan.waits} == {"cat"}, str(plan)
+    with torch.no_grad(), torch_stage.sanitize_streams() as sanitizer:
+        out = model(x)
+        assert torch.equal(out, block(x))
+    assert sanitizer.races == []

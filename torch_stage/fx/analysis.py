@@ -256,6 +256,17 @@ class GraphAnalysis:
         for n in self.nodes:
             for a in self._aliases(n):
                 families.union(self.position[n], self.position[a])
+        # FX makes a get_attr node per access: every node of one parameter
+        # or buffer (or of tied ones, which share storage) is one family.
+        first: Dict[Any, int] = {}
+        for n in self.nodes:
+            if n.op != "get_attr":
+                continue
+            key = _attribute_storage(self.gm, n.target)
+            if key in first:
+                families.union(first[key], self.position[n])
+            else:
+                first[key] = self.position[n]
         return families
 
     def _add_edge(self, u: torch.fx.Node, v: torch.fx.Node, kind: int) -> None:
@@ -272,9 +283,14 @@ class GraphAnalysis:
                     self._add_edge(r, v, 0)
 
     def _order_edges(self) -> None:
+        # Side effects with no known target (impure modules, effectful
+        # functions, batch norm's running statistics) keep their order among
+        # themselves. In-place writes with known targets do not join that
+        # chain: they are ordered per storage below, so writes to different
+        # tensors (each branch's in-place ReLU) stay free.
         previous = None
         for v in self.device_nodes:
-            if self._impure(v):
+            if v not in self.mutated and self._impure(v):
                 if previous is not None:
                     self._add_edge(previous, v, 1)
                 previous = v
@@ -288,8 +304,11 @@ class GraphAnalysis:
             for t in targets:
                 family.update(members[self._families.find(self.position[t])])
             for f in family:
+                # Every device node that touches the family, members included:
+                # another writer of it (write after write), or a view that
+                # may copy (a read).
                 for r in f.users:
-                    if r is m or self.kind.get(r) != DEVICE or r in family:
+                    if r is m or self.kind.get(r) != DEVICE:
                         continue
                     if self.position[r] < self.position[m]:
                         self._add_edge(r, m, 1)
@@ -390,6 +409,29 @@ class GraphAnalysis:
                 count += 1
         self.num_embedding_lookups = count
         return groups
+
+
+def _attribute_storage(gm: torch.nn.Module, target: str) -> Any:
+    """What a get_attr node reads, for telling when two read the same
+    memory: a tensor's storage, else the target's name."""
+    try:
+        value = gm.get_parameter(target) if "." not in target else None
+    except AttributeError:
+        value = None
+    if value is None:
+        obj: Any = gm
+        try:
+            for part in target.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            return ("name", target)
+        value = obj
+    if isinstance(value, torch.Tensor):
+        try:
+            return ("storage", value.untyped_storage().data_ptr(), value.device)
+        except (RuntimeError, NotImplementedError):
+            pass
+    return ("name", target)
 
 
 def _flat_nodes(value: Any) -> List[Any]:

@@ -679,7 +679,10 @@ def make_prefetch_hook():
 @atexit.register
 def _close_all() -> None:
     # C++ producer threads are not joined by threading's shutdown; stop them
-    # before the interpreter goes away.
+    # before the interpreter goes away. First, no producer may start waiting
+    # for the GIL any more (such a wait could end in finalization, where
+    # CPython ends the thread from inside it: csrc/python/bindings.h).
+    _C._interpreter_exit_begins()
     deadline = time.monotonic() + _EXIT_JOIN_TIMEOUT_MS / 1000
     for stage in list(_live):
         impl = getattr(stage, "_impl", None)

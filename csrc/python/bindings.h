@@ -8,6 +8,7 @@
 #include <torch/custom_class.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <thread>
@@ -36,6 +37,29 @@ inline unsigned long& main_thread_ident() {
 // freed during finalization close their stages).
 inline bool gil_closed_to_this_thread() {
   return interpreter_finalizing() &&
+      PyThread_get_thread_ident() != main_thread_ident();
+}
+
+// Set when torch_stage's exit hook starts (torch_stage.stage._close_all, an
+// atexit handler, so before finalization): from then on no thread but the
+// main one starts waiting for the GIL.
+inline std::atomic<bool>& interpreter_exit_began() {
+  static std::atomic<bool> began{false};
+  return began;
+}
+
+// Whether the calling thread must not start waiting for the GIL from a
+// destructor (releasing a Python object held by an item or a stage): the
+// exit has begun and it is not the main thread. Such a wait could end after
+// finalization started, where CPython pthread_exits the thread from inside
+// it, and a forced unwind out of a destructor (noexcept) is std::terminate;
+// the object is leaked instead. Outside destructors a producer may still
+// wait (AcquiredGil): a forced unwind there passes through ordinary frames.
+// Left: a thread that checked just before the flag was set and first gets
+// the GIL after finalization began (the main thread releases it often
+// during the exit hook, so the wait normally ends before).
+inline bool gil_wait_unsafe() {
+  return (interpreter_exit_began().load() || interpreter_finalizing()) &&
       PyThread_get_thread_ident() != main_thread_ident();
 }
 

@@ -13,6 +13,11 @@ PYBIND11_MODULE(_C, m) {
           .attr("main_thread")()
           .attr("ident")
           .cast<unsigned long>();
+  m.def(
+      "_interpreter_exit_begins",
+      [] { torch_stage::python::interpreter_exit_began().store(true); },
+      "Called by torch_stage's atexit hook: from now on no thread but the "
+      "main one starts waiting for the GIL (see csrc/python/bindings.h).");
   torch_stage::python::init_staging(m);
   torch_stage::python::init_stage(m);
   torch_stage::python::init_records(m);

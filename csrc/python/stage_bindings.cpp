@@ -34,12 +34,18 @@ bool python_alive() {
   return Py_IsInitialized() && !interpreter_finalizing();
 }
 
+// Whether this thread may take the GIL to release a Python reference: not
+// once the exit began, outside the main thread (gil_wait_unsafe).
+bool may_release_python() {
+  return python_alive() && !gil_wait_unsafe();
+}
+
 // Releases a Python reference from any thread.
 void drop(py::object& obj) {
   if (!obj) {
     return;
   }
-  if (!python_alive()) {
+  if (!may_release_python()) {
     obj.release(); // leaked on purpose: the interpreter is going away
     return;
   }
@@ -256,12 +262,18 @@ class PyStage {
       std::shared_ptr<PyStageWork> work,
       py::object warn)
       : work_(work), stage_(std::make_unique<Stage>(std::move(options), work)) {
-    auto warn_fn = std::make_shared<py::object>(std::move(warn));
+    // The handler lives in the stage's state, which a producer thread may
+    // be the last to hold: the callable is released the safe way.
+    std::shared_ptr<py::object> warn_fn(
+        new py::object(std::move(warn)), [](py::object* o) {
+          drop(*o);
+          delete o;
+        });
     stage_->set_warning_handler([warn_fn](const std::string& message) {
-      if (!python_alive()) {
+      if (!may_release_python()) {
         return;
       }
-      py::gil_scoped_acquire gil;
+      AcquiredGil gil;
       try {
         (*warn_fn)(message);
       } catch (py::error_already_set& e) {

@@ -174,19 +174,13 @@ class MultiStreamPass:
                 'the model with torch.compile(model, backend="torch_stage"), which splits '
                 "it where tracing stops."
             )
-        elif self.example_inputs is None:
-            hint = (
-                "Pass example_inputs=(...) so that control flow on tensor values is "
-                "decided from real values while tracing, or compile the model with "
-                'torch.compile(model, backend="torch_stage"), which splits it where '
-                "tracing stops."
-            )
         else:
             hint = (
-                "Tracing with example_inputs could not follow it either; compile the "
-                'model with torch.compile(model, backend="torch_stage"), which splits '
-                "it where tracing stops."
-            )  # pragma: no cover  (with example_inputs, export is tried first)
+                "Pass example_inputs=(...) so that control flow on tensor values is "
+                "decided from real values while tracing (and torch.export can capture "
+                "what tracing cannot), or compile the model with torch.compile(model, "
+                'backend="torch_stage"), which splits it where tracing stops.'
+            )
         return MultiStreamTraceError(
             f"torch_stage.multi_stream could not trace {name} with torch.fx: "
             f"{type(exc).__name__}: {exc}. {hint}"

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <thread>
 
+#include "staging/bounded_buffer.h"
+
 namespace torch_stage::python {
 
 // Whether the interpreter has begun to finalize (from any thread, GIL or not).
@@ -149,15 +151,11 @@ Status wait_releasing_gil(
   if (status != timed_out || timeout_ms == 0) {
     return status;
   }
-  // A timeout too long for the clock (about 292 years) waits forever:
-  // adding it to now() would overflow into the past.
-  const auto now = Clock::now();
-  const int64_t max_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                             Clock::time_point::max() - now)
-                             .count();
-  const bool forever = timeout_ms < 0 || timeout_ms >= max_ms;
-  const auto deadline =
-      now + std::chrono::milliseconds(forever ? 0 : timeout_ms);
+  // A timeout too long for the clock (about 292 years) waits forever.
+  const auto deadline = timeout_ms < 0
+      ? Clock::time_point::max()
+      : deadline_after(std::chrono::milliseconds(timeout_ms));
+  const bool forever = deadline == Clock::time_point::max();
   while (true) {
     const auto slice_end = Clock::now() + kSlice;
     const auto until = forever ? slice_end : std::min(slice_end, deadline);

@@ -103,6 +103,23 @@ struct BufferStats {
   bool cancelled = false;
 };
 
+// The steady-clock time `timeout` from now, saturated at time_point::max()
+// so that huge timeouts (hours::max(), 2**63 - 1 ms) wait forever instead of
+// overflowing into the past: compared in floating point, since converting
+// such a timeout to the clock's nanoseconds is itself the overflow.
+template <typename Rep, typename Period>
+std::chrono::steady_clock::time_point deadline_after(
+    std::chrono::duration<Rep, Period> timeout) {
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  const auto max_wait = Clock::time_point::max() - now;
+  using Seconds = std::chrono::duration<double>;
+  if (Seconds(timeout) >= Seconds(max_wait)) {
+    return Clock::time_point::max();
+  }
+  return now + std::chrono::duration_cast<Clock::duration>(timeout);
+}
+
 template <typename T>
 struct ZeroSize {
   std::size_t operator()(const T&) const {
@@ -239,21 +256,6 @@ class BoundedBuffer {
   }
 
  private:
-  template <typename Rep, typename Period>
-  static Clock::time_point deadline_after(
-      std::chrono::duration<Rep, Period> timeout) {
-    // Saturate so that huge timeouts (hours::max()) do not overflow: compare
-    // in floating point, since converting such a timeout to the clock's
-    // nanoseconds is itself the overflow.
-    const auto now = Clock::now();
-    const auto max_wait = Clock::time_point::max() - now;
-    using Seconds = std::chrono::duration<double>;
-    if (Seconds(timeout) >= Seconds(max_wait)) {
-      return Clock::time_point::max();
-    }
-    return now + std::chrono::duration_cast<Clock::duration>(timeout);
-  }
-
   // Requires mu_ held.
   bool has_room(std::size_t item_bytes) const {
     if (items_.size() >= capacity_) {

@@ -688,14 +688,7 @@ TakeStatus Stage::take(StageItem& out) {
 TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
   State& st = *state_;
   st.start();
-  // Saturated: a timeout too long for the clock waits forever instead of
-  // overflowing into the past.
-  const auto now = Clock::now();
-  const auto deadline =
-      timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(
-                     Clock::time_point::max() - now)
-      ? Clock::time_point::max()
-      : now + timeout;
+  const auto deadline = deadline_after(timeout);
   {
     std::unique_lock<std::mutex> lock(st.clients_mu);
     if (!st.clients_cv.wait_until(lock, deadline, [&] {

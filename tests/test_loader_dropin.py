@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 import torch.utils.data as tud
+from reliability.probes import stage_threads
 
 import torch_stage
 
@@ -280,17 +281,6 @@ def test_warnings_on_other_threads_are_untouched(cls):
 # --- 4. The iterator owns its threads and workers ----------------------------
 
 
-def staging_threads():
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return sum(name.startswith("torch_stage:") for name in names)
-
-
 def worker_processes():
     alive = []
     for child in psutil.Process().children(recursive=True):
@@ -303,7 +293,7 @@ def worker_processes():
 
 
 def census():
-    return staging_threads(), worker_processes()
+    return stage_threads(), worker_processes()
 
 
 def settles_to(expected, within=1.0):
@@ -331,7 +321,7 @@ def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
         it = iter(made)
         next(it)
         if cls is not PLAIN:
-            assert staging_threads() > before[0]
+            assert stage_threads() > before[0]
         del it
     else:
         for _ in made:

@@ -17,12 +17,14 @@ def thread_names() -> List[str]:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 names.append(f.read().strip())
-        except FileNotFoundError:  # ended while we looked
+        except OSError:  # the thread ended while we looked
             pass
     return names
 
 
 def stage_threads() -> int:
+    """torch_stage's producer threads in this process (named
+    ``torch_stage:<stage>:<i>``)."""
     return sum(n.startswith("torch_stage") for n in thread_names())
 
 

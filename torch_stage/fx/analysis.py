@@ -413,25 +413,20 @@ class GraphAnalysis:
 
 def _attribute_storage(gm: torch.nn.Module, target: str) -> Any:
     """What a get_attr node reads, for telling when two read the same
-    memory: a tensor's storage, else the target's name."""
+    memory: a tensor's storage, else (an attribute that is no tensor, or a
+    tensor without storage: a subclass's wrapper) the target's name."""
+    value: Any = gm
     try:
-        value = gm.get_parameter(target) if "." not in target else None
+        for part in target.split("."):
+            value = getattr(value, part)
     except AttributeError:
-        value = None
-    if value is None:
-        obj: Any = gm
-        try:
-            for part in target.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            return ("name", target)
-        value = obj
-    if isinstance(value, torch.Tensor):
-        try:
-            return ("storage", value.untyped_storage().data_ptr(), value.device)
-        except (RuntimeError, NotImplementedError):
-            pass
-    return ("name", target)
+        return ("name", target)
+    if not isinstance(value, torch.Tensor):
+        return ("name", target)
+    try:
+        return ("storage", value.untyped_storage().data_ptr(), value.device)
+    except (RuntimeError, NotImplementedError):
+        return ("name", target)
 
 
 def _flat_nodes(value: Any) -> List[Any]:

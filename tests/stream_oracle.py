@@ -3,6 +3,8 @@ sanitizer: whether a rewritten graph, with one wait removed, leaves a data
 dependency between two streams unordered. It replays the graph's stream
 ops as vector clocks and checks every node's inputs against them."""
 
+import copy
+
 import torch
 
 import torch_stage  # noqa: F401
@@ -12,34 +14,82 @@ from torch_stage.fx.cost_model import is_view, may_copy
 ops = torch.ops.torch_stage
 
 
+def waits(gm):
+    """Every wait of a rewritten graph as ``(node name, index)``: a
+    ``wait_event`` node (index None) or one event of a ``sync`` node's
+    waits."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.target is _ops.wait_event:
+            out.append((n.name, None))
+        elif n.target is _ops.sync:
+            out.extend((n.name, k) for k in range(len(n.args[3])))
+    return out
+
+
+def without_wait(gm, wait):
+    """A copy of ``gm`` without ``wait`` (from :func:`waits`), and whether
+    that leaves a data dependency between streams unordered."""
+    mutant = copy.deepcopy(gm)
+    name, k = wait
+    node = next(n for n in mutant.graph.nodes if n.name == name)
+    conflict = data_conflict_expected(mutant, wait)
+    if k is None:
+        mutant.graph.erase_node(node)
+    else:
+        events = list(node.args[3])
+        del events[k]
+        node.update_arg(3, events)
+    mutant.recompile()
+    return mutant, conflict
+
+
 def data_conflict_expected(gm, removed):
-    """Whether removing wait node ``removed`` leaves a data dependency
-    between two streams unordered: an oracle from the graph's data edges
-    and the remaining stream ops, independent of the sanitizer."""
+    """Whether removing wait ``removed`` (``(node name, index)`` from
+    :func:`waits`) leaves a data dependency between two streams unordered:
+    an oracle from the graph's data edges and the remaining stream ops,
+    independent of the sanitizer."""
     stream = 0
     pos = {}  # stream -> ops issued so far
     clocks = {0: {0: 0}}
     events = {}
     made = {}  # node -> (stream, position on it)
     fork = None
+
+    def switch(s):
+        nonlocal stream
+        stream = s
+        clocks.setdefault(stream, {stream: 0})
+
+    def wait(e, s):
+        for t, v in events[e].items():
+            c = clocks[s]
+            c[t] = max(c.get(t, 0), v)
+
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is ops.fork:
+        if n.op == "call_function" and n.target in (ops.fork, _ops.fork):
             fork = n
             for s in n.args[1]:
                 clocks[s] = dict(clocks[0])
             continue
         if n.op == "call_function" and n.target is _ops.set_stream:
-            stream = n.args[1]
-            clocks.setdefault(stream, {stream: 0})
+            switch(n.args[1])
             continue
         if n.op == "call_function" and n.target is _ops.record_event:
             events[n.args[1]] = dict(clocks[n.args[2]])
             continue
         if n.op == "call_function" and n.target is _ops.wait_event:
-            if n is not removed:
-                for s, v in events[n.args[1]].items():
-                    c = clocks[n.args[2]]
-                    c[s] = max(c.get(s, 0), v)
+            if removed != (n.name, None):
+                wait(n.args[1], n.args[2])
+            continue
+        if n.op == "call_function" and n.target is _ops.sync:
+            _, record, s, waited, _ = n.args
+            if record >= 0:
+                events[record] = dict(clocks[stream])
+            switch(s)
+            for k, e in enumerate(waited):
+                if removed != (n.name, k):
+                    wait(e, s)
             continue
         if n.op != "call_function" and n.op != "call_module" and n.op != "call_method":
             continue

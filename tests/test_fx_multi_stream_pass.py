@@ -9,6 +9,14 @@ from torch_stage.fx import MultiStreamPass, _ops, trace
 from torch_stage.fx.multi_stream_pass import VERIFY_ENV
 
 
+def _names(a):
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, tuple):
+        return tuple(_names(v) for v in a)
+    return a
+
+
 def stream_calls(gm):
     """The stream ops of the rewritten graph, in order, with their constant
     arguments."""
@@ -16,7 +24,7 @@ def stream_calls(gm):
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _ops.STREAM_OPS:
             name = getattr(n.target, "__name__", str(n.target)).split(".")[-1]
-            args = [a if not isinstance(a, torch.fx.Node) else a.name for a in n.args[1:]]
+            args = [_names(a) for a in n.args[1:]]
             if name == "fork":
                 args = [n.args[0], n.args[1], n.args[2]]
             out.append((name, *args))
@@ -27,18 +35,18 @@ def test_two_towers_are_rewritten_as_planned():
     gm = MultiStreamPass(num_streams=2, verify=True)(TwoTowerRegression())
     assert stream_calls(gm) == [
         ("fork", 2, [1], 1),
-        ("set_stream", 1),
-        ("record_event", 0, 1),
-        ("set_stream", 0),
-        ("wait_event", 0, 0),
-        ("record_stream", "y_out", 0),
+        ("sync", -1, 1, [], None),
+        # y_out's event, recorded on stream 1 as the sync leaves it; the
+        # add waits on stream 0 and keeps y_out's memory for stream 0.
+        ("sync", 0, 0, [0], ("y_out",)),
         ("join", []),
     ]
     order = [n.name for n in gm.graph.nodes]
-    # The Y tower runs between the switch to stream 1 and its event.
-    assert order.index("set_stream") < order.index("y_hidden") < order.index("y_out")
-    assert order.index("y_out") < order.index("record_event") < order.index("set_stream_1")
-    assert order.index("wait_event") < order.index("add")
+    # The Y tower runs between the switch to stream 1 and the sync that
+    # records its event.
+    assert order.index("sync") < order.index("y_hidden") < order.index("y_out")
+    assert order.index("x_out") < order.index("sync")
+    assert order.index("y_out") < order.index("sync_1") < order.index("add")
     assert order[-2:] == ["join", "output"]
 
 

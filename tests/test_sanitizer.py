@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import zoo
-from stream_oracle import data_conflict_expected
+from stream_oracle import waits, without_wait
 
 import torch_stage
 from torch_stage.fx import _ops
@@ -291,19 +291,15 @@ def test_rewritten_zoo_models_are_race_free_in_eval_and_training(name, strategy)
 def test_every_wait_removal_that_breaks_a_dependency_is_reported(name):
     entry = _entry(name)
     model = torch_stage.multi_stream(zoo.build(entry), num_streams=4, strategy="min_sync")
-    waits = [n.name for n in model.graph.nodes if n.target is _ops.wait_event]
-    assert waits, "the plan has no waits to remove"
+    removals = waits(model)
+    assert removals, "the plan has no waits to remove"
     reported = expected = 0
-    for name_ in waits:
-        mutant = copy.deepcopy(model)
-        node = next(n for n in mutant.graph.nodes if n.name == name_)
-        conflict = data_conflict_expected(mutant, node)
-        mutant.graph.erase_node(node)
-        mutant.recompile()
+    for wait in removals:
+        mutant, conflict = without_wait(model, wait)
         with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
             _run(mutant, entry, train=False)
         found = [r for r in sanitizer.races if r.kind != "free while in use"]
-        assert bool(found) == conflict, (name_, conflict, [str(r) for r in sanitizer.races])
+        assert bool(found) == conflict, (wait, conflict, [str(r) for r in sanitizer.races])
         reported += bool(found)
         expected += conflict
     assert reported == expected > 0

@@ -78,9 +78,11 @@ def test_the_direct_path_and_the_ops_behave_alike():
     x = torch.randn(3)
     for direct in (True, False):
         run = _ops.fork(3, [1, 2], 2, (x,))
-        assert _ops._direct(run)
+        assert type(run) is torch_stage._C._StreamRun
         call = {f.__name__: f for f in _ops._FUNCTIONS}
         if not direct:
+            run = run.script_object()
+            assert isinstance(run, torch.ScriptObject)
             call = {name: getattr(torch.ops.torch_stage, name) for name in call}
         call["set_stream"](run, 1)
         call["record_event"](run, 0, 1)
@@ -89,11 +91,81 @@ def test_the_direct_path_and_the_ops_behave_alike():
         call["wait_event"](run, 0, 2)
         with pytest.raises(RuntimeError, match="waits on event 1, which has not been recorded"):
             call["wait_event"](run, 1, 0)
+        with pytest.raises(RuntimeError, match="waits on event 1, which has not been recorded"):
+            call["sync"](run, -1, 0, [1], None)
+        call["sync"](run, 1, 0, [0, 1], (x, [x], {"k": x}, 3))
+        call["sync"](run, -1, 1, [], None)
         with pytest.raises(ValueError, match="stream 7 is outside the pool of 3"):
             call["set_stream"](run, 7)
+        with pytest.raises(ValueError, match="stream 7 is outside the pool of 3"):
+            call["sync"](run, -1, 7, [], None)
+        with pytest.raises(RuntimeError, match="event 0 is recorded twice"):
+            call["sync"](run, 0, 0, [], None)
         call["join"](run, [1, 2])
-    with pytest.raises(TypeError, match="StreamRun"):
+    # Anything but a run from fork goes to the op, which names the type.
+    with pytest.raises(RuntimeError, match="to custom class type .*StreamRun"):
         _ops.set_stream(torch.classes.torch_stage.StagingArea(1), 0)
+
+
+def _notes(program):
+    """The StreamObserver notes ``program(run)`` makes, fork and join included."""
+    notes = []
+    torch_stage._C._set_stream_observer(
+        lambda op, owner, stream, event, *rest: notes.append((op, stream, event))
+    )
+    try:
+        run = _ops.fork(3, [1, 2], 2, (torch.randn(3),))
+        program(run)
+        _ops.join(run, [])
+    finally:
+        torch_stage._C._set_stream_observer(None)
+    return notes
+
+
+def test_sync_is_the_ops_it_fuses_in_order():
+    # What the stream sanitizer and a profile see of one sync call is what
+    # they saw of the separate ops it replaces (csrc/streams/stream_run.h).
+    x = torch.randn(3)
+
+    def fused(run):
+        _ops.sync(run, -1, 1, [], None)
+        _ops.sync(run, 0, 2, [0], (x,))
+        _ops.sync(run, 1, 2, [], None)
+        _ops.sync(run, -1, 0, [1, 0], None)
+
+    def separate(run):
+        _ops.set_stream(run, 1)
+        _ops.record_event(run, 0, 1)
+        _ops.set_stream(run, 2)
+        _ops.wait_event(run, 0, 2)
+        _ops.record_stream(run, (x,), 2)
+        _ops.record_event(run, 1, 2)
+        _ops.set_stream(run, 0)
+        _ops.wait_event(run, 1, 0)
+        _ops.wait_event(run, 0, 0)
+
+    notes = _notes(fused)
+    assert notes == _notes(separate)
+    assert notes == [
+        ("fork", 3, -1),
+        ("set_stream", 1, -1),
+        ("record_event", 1, 0),
+        ("set_stream", 2, -1),
+        ("wait_event", 2, 0),
+        ("record_stream", 2, -1),
+        ("record_event", 2, 1),
+        ("set_stream", 0, -1),
+        ("wait_event", 0, 1),
+        ("wait_event", 0, 0),
+        ("join", 0, -1),
+    ]
+
+
+def test_sync_refuses_waits_that_are_not_a_list():
+    run = _ops.fork(2, [1], 1, (torch.ones(1),))
+    with pytest.raises(TypeError, match="waits must be a list of ints, got tuple"):
+        run.sync(-1, 1, (0,), None)
+    run.join([])
 
 
 def test_fx_retracing_a_rewritten_module_records_the_ops():
@@ -108,7 +180,7 @@ def test_fx_retracing_a_rewritten_module_records_the_ops():
 
     rewritten = torch_stage.multi_stream(Two(), num_streams=2)
     ours = [n.target.__name__ for n in rewritten.graph.nodes if n.target in _ops._FUNCTIONS]
-    assert ours[0] == "fork" and "set_stream" in ours and "join" in ours
+    assert ours == ["fork", "sync", "sync", "join"]
     retraced = torch.fx.symbolic_trace(rewritten)
     ops = [
         n.target

@@ -1,6 +1,6 @@
 // TorchScript registration of the stream ops the multi-stream pass emits
 // (torch.ops.torch_stage.fork / set_stream / record_event / wait_event /
-// record_stream / join) and of their run object,
+// record_stream / sync / join) and of their run object,
 // torch.classes.torch_stage.StreamRun (semantics: csrc/streams/stream_run.h);
 // and of `with torch_stage.stream(i):` for scripted code: the op
 // torch.ops.torch_stage.stream and its context manager class
@@ -83,6 +83,17 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
       [](const Run& run, const c10::IValue& value, int64_t stream) {
         run->record_stream(value, stream);
       });
+  // What the pass puts between two nodes, in one call (stream_run.h).
+  m.def(
+      torch::schema(
+          "sync(" TORCH_STAGE_RUN
+          " run, int record, int stream, int[] waits, Any keep) -> ()",
+          kEffectful),
+      [](const Run& run,
+         int64_t record,
+         int64_t stream,
+         std::vector<int64_t> waits,
+         const c10::IValue& keep) { run->sync(record, stream, waits, keep); });
   m.def(
       torch::schema(
           "join(" TORCH_STAGE_RUN " run, int[] side_streams) -> ()",

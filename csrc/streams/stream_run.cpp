@@ -316,6 +316,27 @@ void StreamRun::record_stream(const c10::IValue& value, int64_t stream) {
   }
 }
 
+void StreamRun::sync(
+    int64_t record,
+    int64_t stream,
+    c10::ArrayRef<int64_t> waits,
+    const c10::IValue& keep) {
+  check_usable("sync");
+  check_stream("sync", stream);
+  if (record >= 0) {
+    record_event(record, current_);
+  }
+  if (stream != current_) {
+    set_stream(stream);
+  }
+  for (const int64_t e : waits) {
+    wait_event(e, stream);
+  }
+  if (!keep.isNone()) {
+    record_stream(keep, stream);
+  }
+}
+
 void StreamRun::join(const std::vector<int64_t>& side_streams) {
   check_usable("join");
   for (const int64_t s : side_streams) {

@@ -13,6 +13,17 @@
 //   join(run, side_streams)   stream 0 waits on those streams; the caller's
 //                             stream is current again
 //
+// and, to cut host cost, fuses each run of consecutive ops between two
+// nodes into one call (the record after the previous node, then the
+// prelude of the next):
+//
+//   sync(run, e, s, waits, keep)  = record_event(run, e, <current stream>)
+//                                   (if e >= 0), set_stream(run, s),
+//                                   wait_event(run, w, s) for w in waits,
+//                                   record_stream(run, keep, s) (if keep is
+//                                   not None), in that order, with the same
+//                                   checks and StreamObserver notes.
+//
 // Device: that of the first non-CPU tensor found in `probes` (the module's
 // inputs and one of its parameters, searched through lists, tuples and
 // dicts). With none, or on a device without streams
@@ -90,6 +101,15 @@ class StreamRun : public torch::CustomClassHolder {
   // Marks every tensor in `value` (tensors, lists, tuples, dicts, None) on
   // the run's device as used on pool stream `stream`.
   void record_stream(const c10::IValue& value, int64_t stream);
+  // record_event(record, current stream) when record >= 0, set_stream(
+  // stream), wait_event(w, stream) for each of `waits`, record_stream(keep,
+  // stream) unless keep is None: one call for what the pass puts between
+  // two nodes. A switch to the stream that is already current is not noted.
+  void sync(
+      int64_t record,
+      int64_t stream,
+      c10::ArrayRef<int64_t> waits,
+      const c10::IValue& keep);
   // Stream 0 waits on the given side streams; stream 0 is current again.
   // After join the run accepts no more ops.
   void join(const std::vector<int64_t>& side_streams);

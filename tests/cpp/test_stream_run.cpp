@@ -108,6 +108,60 @@ TEST(StreamRun, RunsAPlanOnADeviceWithStreams) {
   EXPECT_TRUE(fake().take_log().empty());
 }
 
+// sync is the separate ops in one call: the device sees the same records,
+// switches and waits in the same order (the plan of the test above).
+TEST(StreamRun, SyncIsTheOpsItFusesOnTheDevice) {
+  const auto device = fake_device(0);
+  auto run_plan = [&](bool fused) {
+    fake().take_log();
+    StreamRun run(device, 3, {1}, 2);
+    if (fused) {
+      // Node 0 on stream 0, then node 1 on stream 1 after event 0, then
+      // node 2 on stream 0 after event 1.
+      run.sync(0, 1, {0}, c10::IValue(at::ones({2})));
+      run.sync(1, 0, {1}, c10::IValue());
+    } else {
+      run.record_event(0, 0);
+      run.set_stream(1);
+      run.wait_event(0, 1);
+      run.record_stream(at::ones({2}), 1);
+      run.record_event(1, 1);
+      run.set_stream(0);
+      run.wait_event(1, 0);
+    }
+    run.join({});
+    // Events come from the pool's free list: name them by first use.
+    Log log = fake().take_log();
+    std::vector<std::string> seen;
+    for (auto& line : log) {
+      const auto at = line.find(" e");
+      if (at == std::string::npos) {
+        continue;
+      }
+      const auto end = line.find(' ', at + 1);
+      const std::string event = line.substr(at + 1, end - at - 1);
+      auto it = std::find(seen.begin(), seen.end(), event);
+      if (it == seen.end()) {
+        it = seen.insert(seen.end(), event);
+      }
+      line.replace(
+          at + 1, event.size(), "e" + std::to_string(it - seen.begin()));
+    }
+    return log;
+  };
+  const Log separate = run_plan(false);
+  EXPECT_EQ(run_plan(true), separate);
+  EXPECT_EQ(separate.size(), 8u);
+  // A sync to the current stream with nothing to do touches nothing.
+  StreamRun run(device, 2, {}, 0);
+  fake().take_log();
+  run.sync(-1, 0, {}, c10::IValue());
+  EXPECT_TRUE(fake().take_log().empty());
+  EXPECT_THROW(run.sync(-1, 2, {}, c10::IValue()), c10::ValueError);
+  EXPECT_THROW(run.sync(0, 0, {}, c10::IValue()), c10::ValueError);
+  EXPECT_THROW(run.sync(-1, 1, {0}, c10::IValue()), c10::ValueError);
+}
+
 TEST(StreamRun, JoinRestoresTheCallersStreamAndWaitsForSideStreams) {
   const auto device = fake_device(1);
   StreamRun run(device, 2, {1}, 0);

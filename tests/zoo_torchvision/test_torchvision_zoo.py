@@ -17,10 +17,9 @@ import torch
 
 torchvision = pytest.importorskip("torchvision")
 
-from stream_oracle import data_conflict_expected  # noqa: E402
+from stream_oracle import waits, without_wait  # noqa: E402
 
 import torch_stage  # noqa: E402
-from torch_stage.fx import _ops  # noqa: E402
 from torch_stage.fx.cost_model import is_view, may_copy  # noqa: E402
 
 # The smallest model of each family (the large ones repeat the same blocks),
@@ -171,22 +170,18 @@ def test_every_wait_removal_that_breaks_a_dependency_is_reported(name, rewritten
     # Inception3's plan order nothing (a planner inefficiency), and their
     # removal must report nothing.
     _, ms = rewritten(name)
-    waits = [n.name for n in ms.graph.nodes if n.target is _ops.wait_event]
-    assert len(waits) >= 8
+    removals = waits(ms)
+    assert len(removals) >= 8
     x = _input(name)
     wrong = []
     reported = 0
-    for w in waits:
-        mutant = copy.deepcopy(ms)
-        node = next(n for n in mutant.graph.nodes if n.name == w)
-        conflict = data_conflict_expected(mutant, node)
-        mutant.graph.erase_node(node)
-        mutant.recompile()
+    for wait in removals:
+        mutant, conflict = without_wait(ms, wait)
         with torch.no_grad(), torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
             mutant(x)
         found = [r for r in sanitizer.races if r.kind != "free while in use"]
         reported += bool(found)
         if bool(found) != conflict:
-            wrong.append((w, conflict, [str(r) for r in found]))
+            wrong.append((wait, conflict, [str(r) for r in found]))
     assert wrong == []
-    assert reported >= len(waits) // 2
+    assert reported >= len(removals) // 2

@@ -31,35 +31,39 @@ __all__ = [
     "record_event",
     "record_stream",
     "set_stream",
+    "sync",
     "wait_event",
 ]
 
 _ns = torch.ops.torch_stage
 
 
-# The ops that take the run (a torch.ScriptObject) are called through these
-# functions, which the pass uses as node targets. Eagerly they call
-# torch_stage._C directly: torch.ops looks up __torch_function__ on every
-# argument, and on a ScriptObject that lookup raises and catches a C++
-# exception inside ScriptObject.__getattr__, ~20 us per call against ~1 us
-# here (csrc/python/stream_bindings.cpp). While Dynamo, torch.jit.trace or
-# an FX tracer runs the code, or for tensor subclasses, they call the op, so
-# those see and record torch.ops.torch_stage.*. TorchScript compiles each
-# function as its op (registered as a builtin below), so scripted modules
-# hold the ops themselves.
-def _direct(run: Any) -> bool:
-    return (
-        type(run) is torch.ScriptObject
-        and not torch.compiler.is_compiling()
-        and torch._C._get_tracing_state() is None
-    )
+# The ops that take the run are called through these functions, which the
+# pass uses as node targets. Eagerly, fork returns the run as a
+# torch_stage._C._StreamRun and the functions call its methods: torch.ops
+# looks up __torch_function__ on every argument, and on a ScriptObject that
+# lookup raises and catches a C++ exception inside ScriptObject.__getattr__,
+# ~20 us per call against well under 1 us here
+# (csrc/python/stream_bindings.cpp). The type of the run is the whole test:
+# fork makes a _StreamRun only when neither Dynamo nor torch.jit.trace runs
+# and no input is a tensor subclass, so everything that must see the ops
+# (those, FX tracers, which pass Proxies) gets a ScriptObject from fork and
+# calls torch.ops.torch_stage.*. TorchScript compiles each function as its
+# op (registered as a builtin below), so scripted modules hold the ops
+# themselves.
+_Run = _C._StreamRun
+
+
+def _op_run(run: Any) -> Any:
+    """``run`` for torch.ops: a _StreamRun as its ScriptObject."""
+    return run.script_object() if type(run) is _Run else run
 
 
 def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
     """Start a stream run: the side streams wait for the current stream
     (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs and a
-    parameter) give the device. Eagerly through torch_stage._C, as the
-    functions below; the op while tracing or for tensor subclasses."""
+    parameter) give the device. Eagerly a ``torch_stage._C._StreamRun``;
+    the op (a ScriptObject) while tracing or for tensor subclasses."""
     if (
         not torch.compiler.is_compiling()
         and torch._C._get_tracing_state() is None
@@ -71,43 +75,56 @@ def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any
 
 def set_stream(run: Any, stream: int) -> None:
     """Make pool stream ``stream`` current (``torch.ops.torch_stage.set_stream``)."""
-    if _direct(run):
-        return _C._stream_set_stream(run, stream)
+    if type(run) is _Run:
+        return run.set_stream(stream)
     return _ns.set_stream(run, stream)
 
 
 def record_event(run: Any, event: int, stream: int) -> None:
     """Pool stream ``stream`` records ``event`` (``torch.ops.torch_stage.record_event``)."""
-    if _direct(run):
-        return _C._stream_record_event(run, event, stream)
+    if type(run) is _Run:
+        return run.record_event(event, stream)
     return _ns.record_event(run, event, stream)
 
 
 def wait_event(run: Any, event: int, stream: int) -> None:
     """Pool stream ``stream`` waits on ``event`` (``torch.ops.torch_stage.wait_event``)."""
-    if _direct(run):
-        return _C._stream_wait_event(run, event, stream)
+    if type(run) is _Run:
+        return run.wait_event(event, stream)
     return _ns.wait_event(run, event, stream)
+
+
+def _subclass(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and torch._C._has_torch_function_unary(value)
 
 
 def record_stream(run: Any, value: Any, stream: int) -> None:
     """Mark the tensors in ``value`` used on pool stream ``stream``
     (``torch.ops.torch_stage.record_stream``)."""
-    if _direct(run) and not (
-        isinstance(value, torch.Tensor) and torch._C._has_torch_function_unary(value)
-    ):
-        return _C._stream_record_stream(run, value, stream)
-    return _ns.record_stream(run, value, stream)
+    if type(run) is _Run and not _subclass(value):
+        return run.record_stream(value, stream)
+    return _ns.record_stream(_op_run(run), value, stream)
+
+
+def sync(run: Any, record: int, stream: int, waits: List[int], keep: Any) -> None:
+    """What the pass puts between two nodes, in one call
+    (``torch.ops.torch_stage.sync``): the current stream records event
+    ``record`` (if ``>= 0``), pool stream ``stream`` becomes current and
+    waits on each of ``waits``, and the tensors in ``keep`` (unless None)
+    are marked used on it."""
+    if type(run) is _Run and (keep is None or not torch._C._has_torch_function(keep)):
+        return run.sync(record, stream, waits, keep)
+    return _ns.sync(_op_run(run), record, stream, waits, keep)
 
 
 def join(run: Any, side_streams: List[int]) -> None:
     """Join the side streams into stream 0 (``torch.ops.torch_stage.join``)."""
-    if _direct(run):
-        return _C._stream_join(run, side_streams)
+    if type(run) is _Run:
+        return run.join(side_streams)
     return _ns.join(run, side_streams)
 
 
-_FUNCTIONS = (fork, set_stream, record_event, wait_event, record_stream, join)
+_FUNCTIONS = (fork, set_stream, record_event, wait_event, record_stream, sync, join)
 
 #: Every target a stream op node may have: the pass's functions, and the ops
 #: (which graphs traced from a rewritten module hold).

@@ -6,15 +6,22 @@ keyword, so it could not be imported by that name.)
 For each node that launches device work, in the original order, the
 rewritten graph does::
 
-    set_stream(run, s)           when the stream changes
-    wait_event(run, e, s)        for each wait the plan puts before the node
-    record_stream(run, x, s)     for each producer x first read on s here
+    sync(run, r, s, [e, ...], (x, ...))    when anything below is needed:
+        record event r on the current stream (the one the previous node
+        ran on; r = -1 for none), make pool stream s current, wait on each
+        event e the plan puts before the node, and mark each producer x
+        first read on s here as used on s (record_stream)
     <the node>                   (constants it reads re-created on s)
-    record_event(run, e, s)      if another stream waits for this node
+    record_event(run, e, s)      if another stream waits for this node, and
+                                 the next node has no sync to carry it
 
 between ``run = fork(...)`` after the inputs and ``join(run, ...)`` before
-the output. A graph that needs a single stream is returned unchanged (no
-stream ops at all).
+the output. One call between two nodes instead of one per stream op: the
+host cost of a rewritten forward is mostly these calls. The event is
+recorded at the same point of the stream's work either way (nothing
+between the node and the sync launches work; a constant re-created in
+between keeps the record where it was). A graph that needs a single
+stream is returned unchanged (no stream ops at all).
 """
 
 from __future__ import annotations
@@ -305,6 +312,9 @@ class _Rewrite:
         self.copies: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
         self.current = 0
         self.run_node: Optional[torch.fx.Node] = None
+        # The record_event node after the last device node, while the next
+        # sync may still carry it instead (no device work since).
+        self.pending: Optional[torch.fx.Node] = None
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
@@ -363,10 +373,17 @@ class _Rewrite:
         for name, _ in self.root.named_buffers():
             yield name
 
-    def _switch(self, s: int) -> None:
-        if s != self.current:
-            self._call(_ops.set_stream, self.run_node, s)
-            self.current = s
+    def _sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> None:
+        """One sync before the insertion point, carrying the pending record."""
+        record = -1
+        if self.pending is not None:
+            # sync records on the current stream: the pending record's.
+            assert self.pending.args[2] == self.current, (self.pending, self.current)
+            record = self.pending.args[1]
+            self.graph.erase_node(self.pending)
+            self.pending = None
+        self._call(_ops.sync, self.run_node, record, s, list(waits), tuple(keeps) or None)
+        self.current = s
 
     def _constants_for(self, n: torch.fx.Node, s: int) -> None:
         """Re-create on stream ``s`` each constant ``n`` reads (once per
@@ -380,6 +397,9 @@ class _Rewrite:
             if key not in self.copies:
                 with self.graph.inserting_before(n):
                     self.copies[key] = self.graph.node_copy(c)
+                # Device work on the current stream: a pending record stays
+                # before it.
+                self.pending = None
                 # A copy is what its original is (a view of constants can
                 # be reached through copies made for other streams).
                 self.analysis.kind[self.copies[key]] = self.analysis.kind[c]
@@ -400,29 +420,30 @@ class _Rewrite:
         i = self.analysis.index[n]
         s = self.stream[i]
         run = self.run_node
-        with self.graph.inserting_before(n):
-            self._switch(s)
-            for e in self.waits[i]:
-                self._call(_ops.wait_event, run, e, s)
-            for u in self.keeps[i]:
-                self._call(_ops.record_stream, run, self.analysis.device_nodes[u], s)
+        if s != self.current or self.waits[i] or self.keeps[i]:
+            with self.graph.inserting_before(n):
+                keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
+                self._sync(s, self.waits[i], keeps)
+        self.pending = None
         self._constants_for(n, s)
         if self.event[i] >= 0:
             with self.graph.inserting_after(n):
-                self._call(_ops.record_event, run, self.event[i], s)
+                self.pending = self._call(_ops.record_event, run, self.event[i], s)
 
     def _output(self, n: torch.fx.Node) -> None:
         run = self.run_node
-        with self.graph.inserting_before(n):
-            # Outputs made on a side stream are used on the caller's stream
-            # from here on: tell the allocator (pytorch#165391 does the same
-            # for Inductor's user streams).
-            for v in n.all_input_nodes:
-                roots = self.analysis.roots(v)
-                if any(self.stream[self.analysis.index[r]] != 0 for r in roots):
-                    self._call(_ops.record_stream, run, v, 0)
-            if any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
-                self._switch(0)
+        # Outputs made on a side stream are used on the caller's stream from
+        # here on: tell the allocator (pytorch#165391 does the same for
+        # Inductor's user streams). Constants the output reads are made on
+        # the caller's stream.
+        keeps = [
+            v
+            for v in n.all_input_nodes
+            if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
+        ]
+        if keeps or any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
+            with self.graph.inserting_before(n):
+                self._sync(0, [], keeps)
         self._constants_for(n, 0)
         with self.graph.inserting_before(n):
             self._call(_ops.join, run, self.join)

@@ -1,5 +1,7 @@
 """The rewrite with stream ops (torch_stage/fx/multi_stream_pass.py)."""
 
+import operator
+
 import pytest
 import torch
 from torch import nn
@@ -35,7 +37,8 @@ def test_two_towers_are_rewritten_as_planned():
     gm = MultiStreamPass(num_streams=2, verify=True)(TwoTowerRegression())
     assert stream_calls(gm) == [
         ("fork", 2, [1], 1),
-        ("sync", -1, 1, [], None),
+        # Input y is read on stream 1: its memory is marked used there.
+        ("sync", -1, 1, [], ("y",)),
         # y_out's event, recorded on stream 1 as the sync leaves it; the
         # add waits on stream 0 and keeps y_out's memory for stream 0.
         ("sync", 0, 0, [0], ("y_out",)),
@@ -48,6 +51,58 @@ def test_two_towers_are_rewritten_as_planned():
     assert order.index("x_out") < order.index("sync")
     assert order.index("y_out") < order.index("sync_1") < order.index("add")
     assert order[-2:] == ["join", "output"]
+
+
+class _InputsOnSideStreams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x, pair):
+        # x is read on every stream, pair[1] through a view on one.
+        return self.a(x) + self.b(x) * self.c(pair[1].view(-1, 8)) + pair[0]
+
+
+def test_inputs_read_on_side_streams_are_marked_used_there():
+    # gpu-review #4: a caller handing over its last reference to an input
+    # (LibTorch, TorchScript's last use) frees it during forward onto the
+    # caller's stream; a side stream still reading it must have it marked,
+    # once per stream, before its first read there.
+    module = _InputsOnSideStreams()
+    gm = MultiStreamPass(num_streams=3, strategy="min_sync")(module)
+    kept = []
+    current = 0
+    side_reads = 0
+    for n in gm.graph.nodes:
+        if n.target is _ops.sync:
+            current = n.args[2]
+            kept += [(v.name, current) for v in n.args[4] or ()]
+        elif n.op in ("call_module", "call_function") and n.target not in _ops.STREAM_OPS:
+            if current != 0 and not _is_input_view(n):
+                for p in _inputs_read(n):
+                    side_reads += 1
+                    assert (p, current) in kept, (n.name, p, kept)
+    assert side_reads > 0, "the plan reads no input on a side stream"
+    assert len(kept) == len(set(kept)), kept
+    x, pair = torch.randn(2, 8), (torch.randn(2, 8), torch.randn(16))
+    assert torch.equal(gm(x, pair), module(x, pair))
+
+
+def _is_input_view(n):
+    return n.target in (operator.getitem, "view") and bool(_inputs_read(n))
+
+
+def _inputs_read(n):
+    """Placeholders ``n`` reads directly or through getitem/view nodes."""
+    found = set()
+    for v in n.all_input_nodes:
+        if v.op == "placeholder":
+            found.add(v.name)
+        elif v.target in (operator.getitem, "view"):
+            found |= _inputs_read(v)
+    return found
 
 
 def test_a_graph_that_needs_one_stream_is_left_alone():

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
@@ -41,7 +41,7 @@ from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.analysis import GraphAnalysis
 from torch_stage.fx.annotate import AnnotatingTracer
-from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST_META, OUTPUT
+from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST_META, INPUT, OUTPUT
 from torch_stage.fx.stream_plan import StreamPlan, plan
 
 __all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
@@ -315,6 +315,8 @@ class _Rewrite:
         # The record_event node after the last device node, while the next
         # sync may still carry it instead (no device work since).
         self.pending: Optional[torch.fx.Node] = None
+        # (input, stream) pairs already marked used on a side stream.
+        self.kept_inputs: Set[Tuple[torch.fx.Node, int]] = set()
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
@@ -420,15 +422,46 @@ class _Rewrite:
         i = self.analysis.index[n]
         s = self.stream[i]
         run = self.run_node
-        if s != self.current or self.waits[i] or self.keeps[i]:
+        keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
+        keeps += self._inputs_first_read(n, s)
+        if s != self.current or self.waits[i] or keeps:
             with self.graph.inserting_before(n):
-                keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
                 self._sync(s, self.waits[i], keeps)
         self.pending = None
         self._constants_for(n, s)
         if self.event[i] >= 0:
             with self.graph.inserting_after(n):
                 self.pending = self._call(_ops.record_event, run, self.event[i], s)
+
+    def _inputs_first_read(self, n: torch.fx.Node, s: int) -> List[torch.fx.Node]:
+        """Forward's inputs that ``n`` reads, directly or through views, on
+        side stream ``s`` for the first time.
+
+        They are marked used on ``s`` (gpu-review #4): the caller's stream
+        allocated them, and a caller that hands over its last reference (a
+        LibTorch caller passing a temporary; TorchScript drops a value after
+        its last use) frees them during forward, onto the caller's stream,
+        where the next allocation could reuse the memory while ``s`` still
+        reads it. In the sync that precedes ``n`` anyway, the mark costs no
+        call.
+        """
+        if s == 0:
+            return []
+        found: List[torch.fx.Node] = []
+        for v in n.all_input_nodes:
+            for p in self._input_roots(v):
+                if (p, s) not in self.kept_inputs:
+                    self.kept_inputs.add((p, s))
+                    found.append(p)
+        return found
+
+    def _input_roots(self, v: torch.fx.Node) -> List[torch.fx.Node]:
+        kind = self.analysis.kind.get(v)
+        if kind == INPUT:
+            return [v]
+        if kind != ALIAS:
+            return []
+        return [p for a in v.all_input_nodes for p in self._input_roots(a)]
 
     def _output(self, n: torch.fx.Node) -> None:
         run = self.run_node

@@ -151,12 +151,26 @@ def test_parameters_and_inputs_never_cause_waits():
     assert plan.cross_stream_edges == 1
 
 
-def test_the_fork_probes_inputs_and_a_parameter_for_the_device():
+def test_the_fork_probes_inputs_or_else_a_parameter_for_the_device():
     gm = MultiStreamPass(num_streams=2)(TwoTowerRegression())
     fork = next(n for n in gm.graph.nodes if n.target is _ops.fork)
-    probes = fork.args[3]
-    assert [p.name for p in probes] == ["x", "y", "label", "x_hidden_weight"]
-    assert probes[-1].op == "get_attr"
+    assert [p.name for p in fork.args[3]] == ["x", "y", "label"]
+
+    class IntInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, n: int):
+            x = self.a.weight.new_ones(n, 4)
+            return self.a(x) + self.b(x)
+
+    gm = MultiStreamPass(num_streams=2, strategy="min_sync")(IntInputs())
+    fork = next(n for n in gm.graph.nodes if n.target is _ops.fork)
+    (probe,) = fork.args[3]
+    assert probe.op == "get_attr" and probe.target == "a.weight"
+    assert torch.equal(gm(3), IntInputs.forward(gm, 3))
 
 
 def test_verify_is_on_in_debug_mode(monkeypatch):

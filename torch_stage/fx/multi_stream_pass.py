@@ -347,10 +347,15 @@ class _Rewrite:
         # from torch.export put their get_attr nodes before the inputs.
         last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
         with self.graph.inserting_before(nodes[last + 1]):
-            # A parameter too: it decides the device for modules whose
-            # inputs are not tensors.
+            # A parameter decides the device for modules whose inputs are
+            # not tensors; only for those: reading one through
+            # nn.Module.__getattr__ on every call costs more host time than
+            # the rest of the stream ops together. (A module given only CPU
+            # tensors that it moves to its device itself then runs on one
+            # stream, correctly; example inputs tell the pass which inputs
+            # hold tensors.)
             param = next(iter(self._tensor_attributes()), None)
-            if param is not None:
+            if param is not None and not probes:
                 probes.append(self.graph.get_attr(param))
             self.run_node = self._call(
                 _ops.fork, self.plan.num_streams, self.fork, self.num_events, tuple(probes)
@@ -367,7 +372,8 @@ class _Rewrite:
         # torch.ops cannot convert to `Any` (an empty list) out of fork.
         if p.args and not isinstance(p.args[0], torch.Tensor):
             return False
-        return True
+        # Annotated as a scalar or a string: never a tensor.
+        return p.type not in (int, float, bool, str, complex)
 
     def _tensor_attributes(self):
         for name, _ in self.root.named_parameters():

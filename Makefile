@@ -37,7 +37,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(BUILD)/.ext-stamp
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h') setup.py pyproject.toml
-CPP_SOURCES := $(shell find csrc tests/cpp benchmarks/cpp examples -name '*.cpp' -o -name '*.h' 2>/dev/null)
+CPP_SOURCES := $(shell find csrc tests/cpp tests/zoo_torchvision/cpp benchmarks/cpp examples -name '*.cpp' -o -name '*.h' 2>/dev/null)
 CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -name CMakeLists.txt)
 PYTEST_ARGS ?=
 , := ,
@@ -141,8 +141,24 @@ $(ZOO_EXT_STAMP): $(ZOO_STAMP) $(EXT_SOURCES) $(shell find torch_stage -name '*.
 	  $(ZOO_PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
 	@mkdir -p $(BUILD) && touch $@
 
-zoo: gtest $(ZOO_EXT_STAMP)
-	cd tests && ../$(ZOO_VENV)/bin/python -m pytest -p no:cacheprovider --rootdir=.. \
+# The C++ runner that loads the scripted zoo models with LibTorch alone,
+# compiled against the zoo venv's torch with the flags torch's own
+# cpp_extension uses: that torch is a CUDA build, whose CMake package insists
+# on a CUDA toolkit, and the runner needs none.
+ZOO_RUNNER := $(BUILD)/zoo-cpp/run_scripted
+ZOO_RUNNER_SRC := tests/zoo_torchvision/cpp/run_scripted.cpp
+
+$(ZOO_RUNNER): $(ZOO_STAMP) $(ZOO_RUNNER_SRC)
+	@mkdir -p $(@D)
+	$(CXX) -O2 -o $@ $(ZOO_RUNNER_SRC) $$($(ZOO_PY) -c "import torch; \
+	  from torch.utils import cpp_extension as c; lib = c.library_paths()[0]; \
+	  print(' '.join(['-std=c++20', '-D_GLIBCXX_USE_CXX11_ABI=%d' % torch._C._GLIBCXX_USE_CXX11_ABI] \
+	  + ['-I' + p for p in c.include_paths()] \
+	  + ['-L' + lib, '-Wl,-rpath,' + lib, '-ltorch', '-ltorch_cpu', '-lc10', '-ldl']))")
+
+zoo: gtest $(ZOO_EXT_STAMP) $(ZOO_RUNNER)
+	cd tests && TORCH_STAGE_ZOO_RUNNER=$(abspath $(ZOO_RUNNER)) \
+	  ../$(ZOO_VENV)/bin/python -m pytest -p no:cacheprovider --rootdir=.. \
 	  -c ../pyproject.toml zoo_torchvision $(PYTEST_ARGS)
 
 PY_FILES := setup.py torch_stage tests benchmarks examples

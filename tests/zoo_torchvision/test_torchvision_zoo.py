@@ -11,6 +11,7 @@ torchvision it is skipped.
 
 import copy
 import os
+import subprocess
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ from stream_oracle import waits, without_wait  # noqa: E402
 
 import torch_stage  # noqa: E402
 from torch_stage.fx.cost_model import is_view, may_copy  # noqa: E402
+
+#: The C++ runner (tests/zoo_torchvision/cpp), built and named by make zoo.
+RUNNER_ENV = "TORCH_STAGE_ZOO_RUNNER"
 
 # The smallest model of each family (the large ones repeat the same blocks),
 # with the input size it accepts.
@@ -160,7 +164,22 @@ def test_scripts_saves_and_loads_when_eager_scripts(name, rewritten, tmp_path):
         with torch_stage.sanitize_streams() as sanitizer:
             got = loaded(x)
         assert sanitizer.races == []
-        assert torch.equal(got, model(x))
+        expected = model(x)
+        assert torch.equal(got, expected)
+    # And from C++, with LibTorch and libtorch_stage.so alone.
+    runner = os.environ.get(RUNNER_ENV)
+    if not runner:
+        pytest.skip(f"{RUNNER_ENV} is not set (make zoo builds the C++ runner and sets it)")
+    case = os.path.join(tmp_path, f"{name}-case.pt")
+    torch.save((x, expected), case)
+    library = os.path.join(os.path.dirname(torch_stage.__file__), "lib", "libtorch_stage.so")
+    proc = subprocess.run(
+        [runner, library, path, case, str(torch.get_num_threads())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "equal"), proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("name", ["googlenet", "inception_v3"])

@@ -346,7 +346,7 @@ def plan_dot(graph_module, max_nodes: int = 0) -> str:
     lines = [
         "digraph plan {",
         '  graph [rankdir=TB, nodesep=0.25, ranksep=0.3, fontname="Helvetica", fontsize=11,'
-        f' label="{_dot_escape(_plan_title(plan))}", labelloc=t];',
+        f' label="{_dot_escape(_plan_title(plan, len(assignment)))}", labelloc=t];',
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=9, height=0.3];',
         '  edge [color="#888888", arrowsize=0.5];',
     ]
@@ -405,11 +405,14 @@ def _colour(stream: int) -> str:
     return _STREAM_COLOURS[stream % len(_STREAM_COLOURS)]
 
 
-def _plan_title(plan) -> str:
-    return (
+def _plan_title(plan, shown: int) -> str:
+    title = (
         f"{plan.strategy} ({plan.reason}): {len(plan.streams_used)} of {plan.num_streams} streams, "
         f"{len(plan.events)} events, {len(plan.waits)} waits"
     )
+    if shown < len(plan.assignment):
+        title += f"; the first {shown} of {len(plan.assignment)} nodes"
+    return title
 
 
 def _dot_escape(text: str) -> str:

@@ -1,13 +1,17 @@
 # torch_stage: every task from a clean clone on a fresh machine.
 #
-#   make demo    set up, build, run the demonstration
+#   make demo    set up, build, run the demonstration (a table and advice;
+#                its figures and a trace go to build/demo/)
+#   make report  the page of pictures (build/report/index.html) from what
+#                make demo and make bench left in build/, with the plan of
+#                torchvision's GoogLeNet (drawn in the zoo venv)
 #   make test    set up, build, run the C++ (ctest) and Python (pytest) tests
 #   make build   build the extension and the C++ tests (quick when up to date)
 #   make lint    clang-format check and ruff
 #   make format  apply clang-format and ruff format
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
 #   make asan    the same under AddressSanitizer (+ UndefinedBehaviorSanitizer)
-#   make bench   the benchmarks (JSON on stdout)
+#   make bench   the benchmarks (JSON on stdout and in build/bench/)
 #   make torture the reliability suite, full profile (tests/reliability/;
 #                make test runs its quick profile)
 #   make zoo     multi-stream on torchvision's models under the stream
@@ -15,7 +19,8 @@
 #
 # Set-up is part of every target: a .venv with TORCH_SPEC and the test
 # dependencies, and GoogleTest and zlib (Debian's libgtest-dev, zlib1g-dev)
-# when they are missing.
+# when they are missing; tests and the report also need graphviz's dot and
+# a headless browser (Debian's graphviz, chromium).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
@@ -42,11 +47,11 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest build cpp test demo lint format tsan asan bench torture zoo clean distclean
+.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench torture zoo clean distclean
 
 all: test
 
-setup: venv gtest
+setup: venv gtest tools
 
 # Reinstall when TORCH_SPEC differs from the one the venv was made with.
 ifneq ($(shell cat $(DEPS_STAMP) 2>/dev/null),$(TORCH_SPEC))
@@ -72,6 +77,14 @@ gtest:
 	fi
 	@command -v cmake > /dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake; }
 
+# graphviz draws stream plans (torch_stage.report); chromium renders the
+# report page in tests/test_report.py.
+tools:
+	@command -v dot > /dev/null || { echo "graphviz's dot is missing: installing Debian's graphviz"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends graphviz; }
+	@command -v chromium > /dev/null || { echo "chromium is missing: installing Debian's chromium"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium; }
+
 build: venv gtest $(EXT_STAMP) cpp
 
 # The editable install registers the package (and its entry points) and
@@ -89,7 +102,7 @@ $(CPP_BUILD)/build.ninja: $(CMAKE_FILES) $(DEPS_STAMP)
 cpp: $(EXT_STAMP) $(CPP_BUILD)/build.ninja
 	cmake --build $(CPP_BUILD) -j $(JOBS)
 
-test: build
+test: build tools
 	@rc=0; \
 	echo "== GoogleTest (ctest) =="; \
 	ctest --test-dir $(CPP_BUILD) --output-on-failure --no-tests=error -j $(JOBS) \
@@ -102,7 +115,7 @@ test: build
 	exit $$rc
 
 demo: build
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py --out $(BUILD)/demo
 
 # Every scenario in a process of its own under a hard timeout; one line each
 # and a closing "N passed, M failed". TORTURE_ARGS: e.g. -k signals --json f.
@@ -113,10 +126,10 @@ torture: build
 # record_pipeline generates its ~215 MB of seed files once, into
 # build/bench_data/ (never part of `make test`).
 bench: build
-	$(PY) benchmarks/buffer_throughput.py
-	$(PY) benchmarks/overlap.py
-	$(PY) benchmarks/record_pipeline.py
-	$(PY) benchmarks/multi_stream.py
+	$(PY) benchmarks/buffer_throughput.py --json $(BUILD)/bench/buffer_throughput.json
+	$(PY) benchmarks/overlap.py --json $(BUILD)/bench/overlap.json
+	$(PY) benchmarks/record_pipeline.py --json $(BUILD)/bench/record_pipeline.json
+	$(PY) benchmarks/multi_stream.py --json $(BUILD)/bench/multi_stream.json
 
 # The torchvision zoo (tests/zoo_torchvision). PyPI's torchvision does not
 # load beside the CPU build of torch 2.13 that the main venv pins, so the zoo
@@ -160,6 +173,21 @@ zoo: gtest $(ZOO_EXT_STAMP) $(ZOO_RUNNER)
 	cd tests && TORCH_STAGE_ZOO_RUNNER=$(abspath $(ZOO_RUNNER)) \
 	  ../$(ZOO_VENV)/bin/python -m pytest -p no:cacheprovider --rootdir=.. \
 	  -c ../pyproject.toml zoo_torchvision $(PYTEST_ARGS)
+
+# The report page. torchvision (GoogLeNet's plan) loads only in the zoo venv,
+# so the page is drawn there, from outside the source tree like the zoo; the
+# demo's trace and the benchmarks' JSON come from build/ whichever venv made
+# them. Without a make demo first, the page has the plan and benchmarks only.
+REPORT_ARGS ?=
+report: tools $(ZOO_EXT_STAMP)
+	@test -f $(BUILD)/demo/demo.json || echo "no build/demo/demo.json: run make demo first for the staged run's pictures"
+	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.report --from . -o report/index.html $(REPORT_ARGS)
+
+# The two pictures in README.md (docs/), from the report command.
+pictures: tools $(ZOO_EXT_STAMP)
+	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.report --from . -o pictures/index.html \
+	  --no-bench --plan-max-nodes 31 --timeline-items 8
+	cp $(BUILD)/pictures/timeline.png $(BUILD)/pictures/plan.png docs/
 
 PY_FILES := setup.py torch_stage tests benchmarks examples
 

@@ -19,11 +19,11 @@ import os
 import platform
 import queue
 import subprocess
-import sys
 import threading
 import time
 
 import torch
+from _common import add_json_argument, emit, progress
 
 import torch_stage
 
@@ -111,27 +111,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="staging buffer throughput")
     parser.add_argument("--items", type=int, default=20_000, help="items per Python run")
     parser.add_argument("--cpp-items", type=int, default=400_000, help="items per C++ run")
+    add_json_argument(parser)
     args = parser.parse_args()
 
     payload = torch.ones(16)
     cpp, cpp_note = bench_cpp(args.cpp_items)
     rows = []
-    for producers, consumers in CONFIGS:
-        for capacity in CAPACITIES:
-            sa = bench_staging_area(producers, consumers, capacity, args.items, payload)
-            qq = bench_queue(producers, consumers, capacity, args.items, payload)
-            row = {
-                "producers": producers,
-                "consumers": consumers,
-                "capacity": capacity,
-                "cpp_threads_items_per_s": None
-                if cpp is None
-                else cpp[(producers, consumers, capacity)],
-                "py_threads_staging_area_items_per_s": round(sa, 1),
-                "py_threads_queue_items_per_s": round(qq, 1),
-                "staging_area_vs_queue": round(sa / qq, 3),
-            }
-            rows.append(row)
+    grid = [(p, c, cap) for p, c in CONFIGS for cap in CAPACITIES]
+    for producers, consumers, capacity in progress(grid, "buffer configurations"):
+        sa = bench_staging_area(producers, consumers, capacity, args.items, payload)
+        qq = bench_queue(producers, consumers, capacity, args.items, payload)
+        row = {
+            "producers": producers,
+            "consumers": consumers,
+            "capacity": capacity,
+            "cpp_threads_items_per_s": None
+            if cpp is None
+            else cpp[(producers, consumers, capacity)],
+            "py_threads_staging_area_items_per_s": round(sa, 1),
+            "py_threads_queue_items_per_s": round(qq, 1),
+            "staging_area_vs_queue": round(sa / qq, 3),
+        }
+        rows.append(row)
     report = {
         "benchmark": "buffer_throughput",
         "payload": "bundle of one float32 tensor of 16 elements",
@@ -146,8 +147,7 @@ def main() -> int:
     }
     if cpp_note:
         report["note"] = cpp_note
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    emit(report, args.json)
     return 0
 
 

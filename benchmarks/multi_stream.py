@@ -35,7 +35,6 @@ Usage: python benchmarks/multi_stream.py [--iters N] [--batch N] [--no-inductor]
 """
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -52,6 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The zoo is shared with the tests rather than installed with the package.
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import zoo  # noqa: E402
+from _common import add_json_argument, emit, progress  # noqa: E402
 
 SIZES = [100, 1000, 10000]
 STRATEGIES = ["min_sync", "critical_path", "embedding", "user"]
@@ -119,7 +119,7 @@ def _matches(name, expected, got, device, random_ops):
 def bench_models(device, batch, iters, inductor):
     results = []
     timer = _gpu_ms if device == "cuda" else _cpu_ms
-    for entry in zoo.ZOO:
+    for entry in progress(zoo.ZOO, "models"):
         module = zoo.build(entry, device).eval()
         row_batch = max(batch, entry.min_batch)
         inputs = entry.inputs(row_batch, device)
@@ -183,7 +183,7 @@ def bench_sanitizer(batch, iters):
     torch_stage.sanitize_streams (a debugging tool: every op goes through a
     Python dispatch mode), measured in the same run on CPU."""
     rows = []
-    for entry in zoo.ZOO:
+    for entry in progress(zoo.ZOO, "sanitizer"):
         module = zoo.build(entry, "cpu").eval()
         inputs = entry.inputs(max(batch, entry.min_batch), "cpu")
         rewritten = torch_stage.multi_stream(module, num_streams=NUM_STREAMS)
@@ -291,6 +291,7 @@ def main() -> int:
     parser.add_argument(
         "--no-inductor", action="store_true", help="leave out torch.compile's default backend"
     )
+    add_json_argument(parser)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = {
@@ -310,7 +311,7 @@ def main() -> int:
             "(wall clock) shows host overheads only (stream ops, Dynamo, inductor's CPU "
             "code); multi-stream speedups can only be measured on a GPU"
         )
-    for n in SIZES:
+    for n in progress(SIZES, "planning sizes"):
         for strategy in STRATEGIES:
             ms, edges = bench_scheduler(n, strategy, 3 if n >= 10000 else 10)
             report["planning"].append(
@@ -320,8 +321,7 @@ def main() -> int:
         report["planning"].append(
             {"nodes": count, "strategy": "auto", "whole_fx_pass_ms": round(ms, 1)}
         )
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    emit(report, args.json)
     return 0
 
 

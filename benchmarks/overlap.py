@@ -22,15 +22,14 @@ Usage: python benchmarks/overlap.py [--steps N] [--quick]
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.utils.data as tud
+from _common import add_json_argument, emit, progress
 
 import torch_stage
 
@@ -201,11 +200,13 @@ def main() -> int:
         " a 2-core machine keeps a core for the data side, and OpenMP team"
         " barriers do not stall when a neighbour takes a core",
     )
+    add_json_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.intra_op_threads)
     data = [1, 5, 10, 20] if not args.quick else [5]
     comp = [Compute(c) for c in ([5, 10, 20] if not args.quick else [5])]
-    cells = [cell(d, c, args.steps, args.rounds) for d in data for c in comp]
+    grid = [(d, c) for d in data for c in comp]
+    cells = [cell(d, c, args.steps, args.rounds) for d, c in progress(grid, "overlap cells")]
     big = [c for c in cells if c["data_ms"] >= 5 and c["compute_ms"] >= 5]
     report = {
         "benchmark": "overlap",
@@ -222,8 +223,7 @@ def main() -> int:
         "worst_efficiency_for_D_C_at_least_5ms": max(c["torch_stage_efficiency"] for c in big),
         "trivial_source_per_item": per_item_overhead(50_000 if not args.quick else 5_000),
     }
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    emit(report, args.json)
     return 0
 
 

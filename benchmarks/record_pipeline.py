@@ -63,6 +63,7 @@ import sys
 import time
 
 import numpy as np
+from _common import add_json_argument, emit, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(ROOT, "build", "bench_data", "record_pipeline")
@@ -601,6 +602,7 @@ def main():
     parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved runs per pipeline (median)"
     )
+    add_json_argument(parser)
     args = parser.parse_args()
 
     import torch
@@ -621,11 +623,9 @@ def main():
     # shared machine then falls on every pipeline alike; the median is
     # reported with every run.
     runs_of = {name: [] for name in runs}
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
-            if name[0] in skip:
-                continue
-            runs_of[name].append(fn(paths, args))
+    order = [(r, name) for r in range(args.rounds) for name in runs if name[0] not in skip]
+    for _, name in progress(order, "pipeline runs"):
+        runs_of[name].append(runs[name](paths, args))
     results = {}
     for name, got in runs_of.items():
         if name[0] in skip:
@@ -682,7 +682,7 @@ def main():
         "ratios": ratios,
         "target": {"c_examples_per_s": 20000, "c_over_a": 5.0},
     }
-    print(json.dumps(report, indent=2))
+    emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ background thread (and copy them to the GPU when there is one) while the
 model trains. The classic queue tutorial reports 18 s -> 11.5 s for 5000 steps
 on a GTX Titan X.
 
-Prints both times, their ratio, the best ratio the shapes allow
-(D + C over max(D, C)) and the stage's stats() as JSON.
+Ends with a short table and sentences (torch_stage.diagnose): input-bound
+or compute-bound, the speedup against the best the shapes allow (D + C over
+max(D, C)), and what to change. --json prints the figures and the stage's
+stats() as JSON instead; --out DIR also writes them (demo.json) and a trace
+of a short staged run (trace.json, Chrome trace JSON: open it in
+https://ui.perfetto.dev) for `python -m torch_stage.report`.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import time
 import torch
 
 import torch_stage
+from torch_stage.diagnose import diagnose
 
 
 def make_batch(batch: int, width: int, device: torch.device):
@@ -73,7 +78,19 @@ def main() -> int:
         help="torch threads of the training step, the same for both loops (default on CPU: "
         "the cores left after --num-threads stage threads; on a GPU: torch's default)",
     )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="a folder for demo.json and trace.json (a traced staged run), as read by "
+        "`python -m torch_stage.report`",
+    )
+    parser.add_argument(
+        "--trace-steps", type=int, default=200, help="steps of the traced run (with --out)"
+    )
     args = parser.parse_args()
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
     # On CPU the training step and the stage's producer share the cores. With
     # every core in the step's OpenMP team, each barrier waits for the thread
@@ -137,31 +154,83 @@ def main() -> int:
                         totals[key] = totals.get(key, 0) + value
 
     steps = chunk * args.rounds
-    data_s = totals.get("source_s", 0.0) / max(1, totals.get("produced", 1)) * steps
-    print(
-        json.dumps(
-            {
-                "device": str(device),
-                "steps": steps,
-                "intra_op_threads": torch.get_num_threads(),
-                "plain_loop_s": round(plain_s, 3),
-                "torch_stage_s": round(staged_s, 3),
-                "speedup": round(plain_s / staged_s, 3),
-                # Overlap can at best hide the shorter of data and compute:
-                # plain = D + C per step, staged >= max(D, C), with D the
-                # producer's time per batch.
-                "best_possible_speedup": round(plain_s / max(data_s, plain_s - data_s), 3),
-                "final_loss": {
-                    "plain": round(plain_loss.item(), 4),
-                    "staged": round(staged_loss.item(), 4),
-                },
-                "stage_stats": {
-                    k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()
-                },
-            },
-            indent=2,
-        )
+    diagnosis = diagnose(
+        totals, steps=steps, seconds=staged_s, num_threads=args.num_threads, plain_seconds=plain_s
     )
+    report = {
+        "device": str(device),
+        "steps": steps,
+        "intra_op_threads": torch.get_num_threads(),
+        "plain_loop_s": round(plain_s, 3),
+        "torch_stage_s": round(staged_s, 3),
+        "speedup": round(plain_s / staged_s, 3),
+        # Overlap can at best hide the shorter of data and compute:
+        # plain = D + C per step, staged >= max(D, C), with D the
+        # producer's time per batch.
+        "best_possible_speedup": round(diagnosis.best_speedup, 3),
+        "final_loss": {
+            "plain": round(plain_loss.item(), 4),
+            "staged": round(staged_loss.item(), 4),
+        },
+        "stage_stats": {k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()},
+        "num_threads": args.num_threads,
+        "capacity": args.capacity,
+        "diagnosis": {
+            "bound": diagnosis.bound,
+            "data_ms": round(diagnosis.data_ms, 4),
+            "compute_ms": round(diagnosis.compute_ms, 4),
+            "plain_step_ms": round(diagnosis.sequential_ms, 4),
+            "ideal_step_ms": round(diagnosis.ideal_ms, 4),
+            "staged_step_ms": round(diagnosis.step_ms, 4),
+            "wait_ms": round(diagnosis.wait_ms, 4),
+            "sentences": diagnosis.sentences(),
+        },
+    }
+    if args.out is not None:
+        # A short staged run under torch_stage.trace, after the timings so
+        # that they are the untraced loop's.
+        trace_path = os.path.join(args.out, "trace.json")
+        stage = torch_stage.staged(
+            lambda: make_batch(args.batch, args.width, cpu),
+            capacity=args.capacity,
+            num_threads=args.num_threads,
+            device=None if device.type == "cpu" else device,
+            stage_subgraph_stream_id=1,
+            name="demo_input",
+        )
+        with torch_stage.trace(trace_path), stage:
+            batches = iter(stage)
+            for _ in range(args.trace_steps):
+                x, y = next(batches)
+                train_step(staged_model, staged_opt, x, y)
+        report["trace"] = os.path.abspath(trace_path)
+        with open(os.path.join(args.out, "demo.json"), "w") as f:
+            json.dump(report, f, indent=2)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"torch_stage demo on {device}: {steps} training steps of a 2-layer MLP on "
+        f"batches of {args.batch} x {args.width}, {torch.get_num_threads()} intra-op "
+        f"thread(s) for the step, {args.num_threads} producer thread(s), capacity "
+        f"{args.capacity}\n"
+    )
+    print(f"plain loop   {plain_s:7.2f} s   (make a batch, then train)")
+    print(f"torch_stage  {staged_s:7.2f} s   (batches made in a background thread)\n")
+    print(diagnosis.table())
+    print()
+    for sentence in diagnosis.sentences():
+        print(sentence)
+    print(
+        f"\nFinal loss: plain {plain_loss.item():.4f}, staged {staged_loss.item():.4f}. "
+        "--json for the figures as JSON."
+    )
+    if args.out is not None:
+        print(
+            f"Wrote {os.path.join(args.out, 'demo.json')} and a trace of {args.trace_steps} "
+            f"staged steps, {report['trace']} (open it in https://ui.perfetto.dev); "
+            "`make report` draws the pictures."
+        )
     return 0
 
 

@@ -56,6 +56,7 @@ from torch_stage.streams import (  # noqa: E402
     multi_stream,
     stream,
 )
+from torch_stage.tracing import Trace, trace  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -92,6 +93,7 @@ __all__ = [
     "StageTimeoutError",
     "StagingArea",
     "StreamRaceError",
+    "Trace",
     "VarLenFeature",
     "add_stage_thread_pool",
     "backend",
@@ -106,4 +108,5 @@ __all__ = [
     "sanitize_streams",
     "staged",
     "stream",
+    "trace",
 ]

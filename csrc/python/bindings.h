@@ -199,6 +199,7 @@ void init_stage(pybind11::module_& m);
 
 // The multi-stream pass's stream ops without the torch.ops call overhead.
 void init_streams(pybind11::module_& m);
+void init_trace(pybind11::module_& m);
 
 // TFRecord files, Example encoding/parsing and RecordInput.
 void init_records(pybind11::module_& m);

@@ -22,4 +22,5 @@ PYBIND11_MODULE(_C, m) {
   torch_stage::python::init_stage(m);
   torch_stage::python::init_records(m);
   torch_stage::python::init_streams(m);
+  torch_stage::python::init_trace(m);
 }

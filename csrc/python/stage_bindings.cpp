@@ -22,6 +22,7 @@
 #include "python/bindings.h"
 #include "staging/device_stager.h"
 #include "staging/stage.h"
+#include "trace/trace_recorder.h"
 
 namespace py = pybind11;
 
@@ -303,6 +304,7 @@ class PyStage {
         timeout_ms >= 0 ? timeout_ms : stage_->options().timeout_ms);
     StageItem out;
     const auto start = Clock::now();
+    trace::Span span(trace::Kind::kTake, stage_->take_span_name());
     const TakeStatus status = wait_releasing_gil(
         timeout.count(), TakeStatus::kTimeout, [&](Clock::time_point until) {
           // Rounded up, so a slice never becomes a zero-length busy retry;
@@ -312,6 +314,9 @@ class PyStage {
           return stage_->take_for(
               out, std::max(left, std::chrono::milliseconds(0)));
         });
+    span.set_item(out.index);
+    span.set_outcome(take_outcome(status, out));
+    span.end();
     if (status == TakeStatus::kTimeout) {
       raise(
           "StageTimeoutError",

@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -16,6 +15,7 @@
 #include <utility>
 
 #include "staging/device_stager.h"
+#include "trace/trace_recorder.h"
 
 // Intra-op bound for stage threads. at::set_num_threads would also change
 // the process-wide default that every thread not yet initialised (the main
@@ -218,8 +218,9 @@ void bound_intra_op_threads(int64_t threads) {
 
 void name_thread(const std::string& name) {
   // Linux allows 15 characters; the rest still shows in profilers that read
-  // the record_function ranges.
+  // the record_function ranges, and in torch_stage.trace.
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+  trace::set_thread_name(name);
 }
 
 } // namespace
@@ -235,9 +236,14 @@ struct Stage::State : std::enable_shared_from_this<State> {
       stager =
           std::make_unique<DeviceStager>(*options.device, options.stream_id);
     }
-    range_pull = "torch_stage/" + options.name + "/pull";
-    range_process = "torch_stage/" + options.name + "/process";
-    range_copy = "torch_stage/" + options.name + "/copy_to_device";
+    const std::string prefix = "torch_stage/" + options.name;
+    range_pull = trace::intern(prefix + "/pull");
+    range_process = trace::intern(prefix + "/process");
+    range_copy = trace::intern(prefix + "/copy_to_device");
+    range_put = trace::intern(prefix + "/put");
+    range_take = trace::intern(prefix + "/take");
+    counter_occupancy = trace::intern(prefix + "/occupancy");
+    trace_info = trace::intern(prefix);
   }
 
   const StageOptions options;
@@ -245,7 +251,10 @@ struct Stage::State : std::enable_shared_from_this<State> {
   const StagePoolConfig pool;
   std::unique_ptr<DeviceStager> stager;
   BoundedBuffer<StageItem> buffer;
-  std::string range_pull, range_process, range_copy;
+  // Interned names of the stage's RecordFunction ranges and trace records
+  // (trace/trace_recorder.h).
+  int32_t range_pull, range_process, range_copy, range_put, range_take,
+      counter_occupancy, trace_info;
 
   // Lifecycle, guarded by life_mu.
   std::mutex life_mu;
@@ -336,15 +345,15 @@ struct Stage::State : std::enable_shared_from_this<State> {
 
   static Outcome timed(
       std::atomic<int64_t>& total,
-      const std::string& range,
+      trace::Kind kind,
+      int32_t range,
+      int64_t index,
       const std::function<Outcome()>& fn) {
-    at::RecordFunction rf(at::RecordScope::USER_SCOPE);
-    if (rf.isActive()) {
-      rf.before(range.c_str());
-    }
+    trace::Span span(kind, range, index);
     const int64_t start = now_ns();
     const Outcome o = fn();
     total += now_ns() - start;
+    span.set_outcome(static_cast<int64_t>(o));
     return o;
   }
 
@@ -373,32 +382,35 @@ struct Stage::State : std::enable_shared_from_this<State> {
         }
         item.index = next_index++;
         status.set(Phase::kPulling, item.index);
-        outcome = timed(pull_ns, range_pull, [&] {
-          return guarded(
-              item, "source", [&] { return work->pull(item.index, item); });
-        });
+        outcome =
+            timed(pull_ns, trace::Kind::kPull, range_pull, item.index, [&] {
+              return guarded(
+                  item, "source", [&] { return work->pull(item.index, item); });
+            });
         if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
           end_source(item.index);
         }
       }
       if (outcome == Outcome::kItem) {
         status.set(Phase::kProcessing, item.index);
-        outcome = timed(process_ns, range_process, [&] {
-          return guarded(
-              item, "transform", [&] { return work->process(item); });
-        });
+        outcome = timed(
+            process_ns, trace::Kind::kProcess, range_process, item.index, [&] {
+              return guarded(
+                  item, "transform", [&] { return work->process(item); });
+            });
       }
       if (outcome == Outcome::kItem && stager) {
         status.set(Phase::kCopying, item.index);
-        outcome = timed(copy_ns, range_copy, [&] {
-          return guarded(item, "copy to device", [&] {
-            const Outcome o = work->expose_tensors(item);
-            if (o == Outcome::kItem) {
-              stager->stage(item);
-            }
-            return o;
-          });
-        });
+        outcome =
+            timed(copy_ns, trace::Kind::kCopy, range_copy, item.index, [&] {
+              return guarded(item, "copy to device", [&] {
+                const Outcome o = work->expose_tensors(item);
+                if (o == Outcome::kItem) {
+                  stager->stage(item);
+                }
+                return o;
+              });
+            });
       }
       if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
         std::lock_guard<std::mutex> lock(source_mu);
@@ -417,6 +429,8 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // false when the stage is stopping.
   bool deliver(ProducerStatus& status, StageItem item, Outcome outcome) {
     const int64_t index = item.index;
+    trace::Span span(trace::Kind::kPut, range_put, index);
+    span.set_outcome(static_cast<int64_t>(outcome));
     if (options.ordered) {
       status.set(Phase::kWaitingForTurn, index);
       const int64_t start = now_ns();
@@ -493,6 +507,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
     if (outcome == Outcome::kItem) {
       ++produced;
     }
+    trace::sample(counter_occupancy, static_cast<int64_t>(buffer.size()));
     return true;
   }
 
@@ -525,6 +540,15 @@ struct Stage::State : std::enable_shared_from_this<State> {
     }
     started = true;
     live = options.num_threads;
+    if (trace::enabled()) {
+      trace::Record r;
+      r.start_ns = r.end_ns = trace::now_ns();
+      r.name = trace_info;
+      r.kind = trace::Kind::kStageInfo;
+      r.a = options.capacity;
+      r.b = options.num_threads;
+      trace::record(r);
+    }
     auto self = shared_from_this();
     auto starter = std::make_shared<at::ThreadLocalState>();
     for (int64_t i = 0; i < options.num_threads; ++i) {
@@ -682,7 +706,16 @@ void Stage::start() {
 }
 
 TakeStatus Stage::take(StageItem& out) {
-  return take_for(out, std::chrono::milliseconds(state_->options.timeout_ms));
+  trace::Span span(trace::Kind::kTake, state_->range_take);
+  const TakeStatus status =
+      take_for(out, std::chrono::milliseconds(state_->options.timeout_ms));
+  span.set_item(out.index);
+  span.set_outcome(take_outcome(status, out));
+  return status;
+}
+
+int32_t Stage::take_span_name() const {
+  return state_->range_take;
 }
 
 TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
@@ -715,6 +748,7 @@ TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
     case BufferStatus::kTooLarge:
       return TakeStatus::kClosed;
   }
+  trace::sample(st.counter_occupancy, static_cast<int64_t>(st.buffer.size()));
   if (!out.error) {
     DeviceStager::hand_over(out);
     ++st.consumed;

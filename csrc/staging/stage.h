@@ -208,6 +208,21 @@ struct StageStats {
 // What a consumer got from take().
 enum class TakeStatus { kItem, kEnd, kTimeout, kClosed };
 
+// What a consumer span records as its outcome (trace::Record::b): 0 an
+// item, 1 the end, 3 an error item, 4 closed or timed out.
+inline int64_t take_outcome(TakeStatus status, const StageItem& item) {
+  switch (status) {
+    case TakeStatus::kItem:
+      return item.error ? 3 : 0;
+    case TakeStatus::kEnd:
+      return 1;
+    case TakeStatus::kTimeout:
+    case TakeStatus::kClosed:
+      return 4;
+  }
+  return 4;
+}
+
 class Stage {
  public:
   // Throws c10::ValueError for invalid options (before any thread starts).
@@ -223,8 +238,12 @@ class Stage {
   // timeout_ms). On kItem, `out` is ready to use on the calling thread's
   // current stream (device items: the stream waits on the copy). kEnd: end
   // of stream (check failed()); kClosed: close() was called.
+  // take() records a consumer span (trace::Span, `take_span_name()`);
+  // take_for() does not, so that a consumer waiting in several slices (the
+  // Python binding, to see signals) records one span around them.
   TakeStatus take(StageItem& out);
   TakeStatus take_for(StageItem& out, std::chrono::milliseconds timeout);
+  int32_t take_span_name() const;
 
   // Stops and joins the producers; idempotent; safe from any thread. A
   // producer still inside StageWork after `join_timeout` (default: the

@@ -1,5 +1,6 @@
 #include "streams/stream_observer.h"
 
+#include <array>
 #include <atomic>
 #include <mutex>
 #include <utility>
@@ -11,27 +12,37 @@ namespace {
 std::atomic<bool> g_active{false};
 std::atomic<int64_t> g_next_id{1};
 
-// The observer is swapped under the mutex and called through a copy of the
-// pointer, so a concurrent uninstall never destroys one that is running.
+// Observers are swapped under the mutex and called through copies of the
+// pointers, so a concurrent uninstall never destroys one that is running.
 std::mutex& observer_mutex() {
   static auto* m = new std::mutex();
   return *m;
 }
 
-std::shared_ptr<const StreamObserver>& observer_slot() {
+using Slots =
+    std::array<std::shared_ptr<const StreamObserver>, kStreamObserverSlots>;
+
+Slots& observer_slots() {
   // Never destroyed: operations may still run from static destructors.
-  static auto* slot = new std::shared_ptr<const StreamObserver>();
-  return *slot;
+  static auto* slots = new Slots();
+  return *slots;
 }
 
 } // namespace
 
-void set_stream_observer(std::shared_ptr<const StreamObserver> observer) {
+void set_stream_observer(
+    StreamObserverSlot slot,
+    std::shared_ptr<const StreamObserver> observer) {
   std::shared_ptr<const StreamObserver> old;
   {
     std::lock_guard<std::mutex> lock(observer_mutex());
-    old = std::exchange(observer_slot(), std::move(observer));
-    g_active.store(observer_slot() != nullptr, std::memory_order_release);
+    Slots& slots = observer_slots();
+    old = std::exchange(slots[static_cast<size_t>(slot)], std::move(observer));
+    bool any = false;
+    for (const auto& o : slots) {
+      any = any || o != nullptr;
+    }
+    g_active.store(any, std::memory_order_release);
   }
   // `old` is released here, outside the lock (its destructor may need the
   // GIL).
@@ -42,13 +53,15 @@ bool stream_observer_active() {
 }
 
 void notify_stream_op(const StreamOpNote& note) {
-  std::shared_ptr<const StreamObserver> observer;
+  Slots observers;
   {
     std::lock_guard<std::mutex> lock(observer_mutex());
-    observer = observer_slot();
+    observers = observer_slots();
   }
-  if (observer) {
-    (*observer)(note);
+  for (const auto& observer : observers) {
+    if (observer) {
+      (*observer)(note);
+    }
   }
 }
 

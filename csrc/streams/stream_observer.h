@@ -30,6 +30,11 @@
 // so the same notes come from CPU runs (inactive: the device does nothing)
 // and device runs.
 //
+// Observers: one per slot, so the sanitizer and the trace recorder
+// (csrc/trace) observe at once; each note goes to every installed observer
+// in slot order (the trace first: it never throws, and so records an
+// operation the sanitizer then rejects).
+//
 // Threads: notes are sent on the thread that performs the operation, in
 // program order for that thread; set_stream_observer may be called from any
 // thread. The observer is called without any torch_stage lock held, so it
@@ -42,6 +47,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace torch_stage {
@@ -58,14 +64,25 @@ struct StreamOpNote {
 
 using StreamObserver = std::function<void(const StreamOpNote&)>;
 
-// Installs `observer` (nullptr: none) for every later operation.
-void set_stream_observer(std::shared_ptr<const StreamObserver> observer);
+enum class StreamObserverSlot : int { kTrace = 0, kSanitizer = 1 };
+constexpr int kStreamObserverSlots = 2;
 
-// True while an observer is installed: callers skip building notes
-// otherwise (one relaxed atomic load).
+// Installs `observer` (nullptr: none) in `slot` for every later operation.
+void set_stream_observer(
+    StreamObserverSlot slot,
+    std::shared_ptr<const StreamObserver> observer);
+
+// The sanitizer's slot (torch_stage._C._set_stream_observer).
+inline void set_stream_observer(
+    std::shared_ptr<const StreamObserver> observer) {
+  set_stream_observer(StreamObserverSlot::kSanitizer, std::move(observer));
+}
+
+// True while any observer is installed: callers skip building notes
+// otherwise (one atomic load).
 bool stream_observer_active();
 
-// Sends `note` to the observer, if any.
+// Sends `note` to the installed observers.
 void notify_stream_op(const StreamOpNote& note);
 
 // A fresh id for a run, scope or staging copy (never 0).

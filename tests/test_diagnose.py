@@ -1,0 +1,61 @@
+"""torch_stage.diagnose: the verdict and advice from real stages' stats."""
+
+import time
+
+import pytest
+
+import torch_stage
+from torch_stage.diagnose import diagnose
+
+STEPS = 25
+
+
+def timed_run(source_ms, body_ms, num_threads=1, capacity=4):
+    def make():
+        time.sleep(source_ms / 1000)
+        return 1
+
+    stage = torch_stage.staged(make, capacity=capacity, num_threads=num_threads, name="diag")
+    with stage:
+        it = iter(stage)
+        next(it)  # the clock starts after the first item, as the demo's steady state
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            next(it)
+            time.sleep(body_ms / 1000)
+        seconds = time.perf_counter() - start
+        stats = stage.stats()
+    return stats, seconds
+
+
+def test_a_slow_source_is_input_bound_and_asks_for_threads():
+    stats, seconds = timed_run(source_ms=12, body_ms=2)
+    d = diagnose(stats, steps=STEPS, seconds=seconds, num_threads=1)
+    assert d.bound == "input" == stats["bound"]
+    assert d.data_ms >= 12 and d.wait_ms > 5
+    text = " ".join(d.sentences())
+    assert "input-bound" in text
+    assert "num_threads=" in text and "capacity does not help" in text
+
+
+def test_a_slow_loop_body_is_compute_bound_and_leaves_the_input_alone():
+    stats, seconds = timed_run(source_ms=1, body_ms=12)
+    d = diagnose(stats, steps=STEPS, seconds=seconds, num_threads=1)
+    assert d.bound == "compute" == stats["bound"]
+    assert d.compute_ms >= 10 and d.wait_ms < 2
+    # Overlap: the step is close to max(D, C), well under D + C.
+    assert d.ideal_ms <= d.step_ms < d.data_ms + d.compute_ms + 2
+    text = " ".join(d.sentences())
+    assert "compute-bound" in text and "nothing on the input side" in text
+    assert "smaller capacity" in text  # the buffer sat full
+    table = d.table()
+    assert "best possible" in table and "torch_stage step (measured)" in table
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+        diagnose({}, steps=0, seconds=1.0)
+    with pytest.raises(ValueError, match="seconds must be > 0, got 0"):
+        diagnose({}, steps=1, seconds=0)
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        diagnose({}, steps=1, seconds=1.0, num_threads=0)

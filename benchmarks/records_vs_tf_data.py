@@ -58,12 +58,17 @@ of the medians, and the median of the ratios within each round (steadier
 when the machine's load changes between rounds). The JSON also says
 whether torch_stage reached the issue's target of 3,000,000 examples/s.
 
+``--parse-only``: parse_example alone instead, over the first 50 batches
+of the first file held in memory, on one thread (torch.set_num_threads(1)),
+as examples per second of that thread's CPU time (which other processes on
+a shared machine disturb far less than wall time).
+
 The files are generated once into build/bench_data/records_vs_tf_data/
 and reused.
 
 Usage: python benchmarks/records_vs_tf_data.py [--layout columns|packed]
        [--batch-size B] [--rounds R] [--seconds S] [--tf-python PATH]
-       [--skip name,...] [--json]
+       [--skip name,...] [--json] [--parse-only]
 """
 
 import argparse
@@ -461,6 +466,36 @@ def check_equal(paths, args, tf_worker):
 # ----------------------------------------------------------------- main
 
 
+def parse_only(paths, args):
+    """parse_example's rate per CPU-second of one thread."""
+    import torch
+
+    import torch_stage
+
+    features = stage_features(args.layout)
+    batches = [
+        b for _, b in zip(range(50), torch_stage.read_records(paths[0], batch_size=args.batch_size))
+    ]
+    examples = sum(b.num_records for b in batches)
+    torch.set_num_threads(1)
+    rates = []
+    for _ in range(args.rounds):
+        start = time.thread_time()
+        reps = 0
+        while time.thread_time() - start < args.seconds:
+            for b in batches:
+                torch_stage.parse_example(b, features)
+            reps += 1
+        rates.append(reps * examples / (time.thread_time() - start))
+    return {
+        "benchmark": "records_vs_tf_data --parse-only",
+        "layout": args.layout,
+        "batch_size": args.batch_size,
+        "examples_per_cpu_s": round(statistics.median(rates)),
+        "runs": [round(r) for r in rates],
+    }
+
+
 def table(report):
     lines = [
         f"records pipeline, {report['config']['layout']} Criteo-like rows, "
@@ -503,6 +538,9 @@ def main():
     parser.add_argument("--tf-python", default=None, help="a Python with tensorflow")
     parser.add_argument("--skip", default="", help="pipelines to skip, comma-separated")
     parser.add_argument("--json", action="store_true", help="JSON on stdout (table on stderr)")
+    parser.add_argument(
+        "--parse-only", action="store_true", help="parse_example alone, per CPU-second"
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     unknown = skip - set(PIPELINES)
@@ -514,6 +552,15 @@ def main():
     import torch_stage
 
     paths, total_bytes = data_files(args.layout, args.files, args.per_file)
+    if args.parse_only:
+        got = parse_only(paths, args)
+        print(
+            json.dumps(got, indent=2)
+            if args.json
+            else f"parse_example, {args.layout} rows, one thread: "
+            f"{got['examples_per_cpu_s']:,} examples per CPU-second (median of {args.rounds})"
+        )
+        return
     load_start = list(os.getloadavg())
     tf_python = None if "tf_data" in skip else find_tf_python(args)
     tf_worker = TfWorker(tf_python, paths, args) if tf_python else None

@@ -12,6 +12,9 @@
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
 #   make asan    the same under AddressSanitizer (+ UndefinedBehaviorSanitizer)
 #   make bench   the benchmarks (JSON on stdout and in build/bench/)
+#   make bench-tf the records pipeline side by side with tf.data on the same
+#                files (tables), TensorFlow (tensorflow-cpu) in a venv of
+#                its own, .venv-tf: an optional benchmark dependency only
 #   make torture the reliability suite, full profile (tests/reliability/;
 #                make test runs its quick profile)
 #   make zoo     multi-stream on torchvision's models under the stream
@@ -47,7 +50,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench torture zoo clean distclean
+.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench bench-tf torture zoo clean distclean
 
 all: test
 
@@ -129,7 +132,32 @@ bench: build
 	$(PY) benchmarks/buffer_throughput.py --json $(BUILD)/bench/buffer_throughput.json
 	$(PY) benchmarks/overlap.py --json $(BUILD)/bench/overlap.json
 	$(PY) benchmarks/record_pipeline.py --json $(BUILD)/bench/record_pipeline.json
+	$(PY) benchmarks/records_vs_tf_data.py --json > $(BUILD)/bench/records_vs_tf_data.json
 	$(PY) benchmarks/multi_stream.py --json $(BUILD)/bench/multi_stream.json
+
+# tf.data beside the records pipeline (benchmarks/records_vs_tf_data.py, and
+# record_pipeline.py's tf.data column). TensorFlow is never a test
+# dependency: it lives in its own venv, run as a subprocess by the
+# benchmarks. BENCH_TF_ARGS: e.g. --rounds 9 --json.
+TF_VENV ?= .venv-tf
+TF_SPEC ?= tensorflow-cpu==2.21.0
+TF_PY := $(TF_VENV)/bin/python
+TF_STAMP := $(TF_VENV)/.deps-stamp
+BENCH_TF_ARGS ?=
+
+ifneq ($(shell cat $(TF_STAMP) 2>/dev/null),$(TF_SPEC))
+.PHONY: $(TF_STAMP)
+endif
+
+$(TF_STAMP):
+	@test -x $(TF_PY) || { echo "creating $(TF_VENV)"; $(PYTHON) -m venv $(TF_VENV); }
+	$(TF_PY) -m pip install -q --disable-pip-version-check "$(TF_SPEC)"
+	@echo "$(TF_SPEC)" > $@
+
+bench-tf: build $(TF_STAMP)
+	$(PY) benchmarks/records_vs_tf_data.py --layout packed --tf-python $(TF_PY) $(BENCH_TF_ARGS)
+	$(PY) benchmarks/records_vs_tf_data.py --layout columns --tf-python $(TF_PY) $(BENCH_TF_ARGS)
+	$(PY) benchmarks/record_pipeline.py --tf-python $(TF_PY)
 
 # The torchvision zoo (tests/zoo_torchvision). PyPI's torchvision does not
 # load beside the CPU build of torch 2.13 that the main venv pins, so the zoo
@@ -223,4 +251,4 @@ clean:
 	rm -rf $(BUILD) torch_stage/lib torch_stage/*.so
 
 distclean: clean
-	rm -rf $(VENV) $(ZOO_VENV) *.egg-info
+	rm -rf $(VENV) $(ZOO_VENV) $(TF_VENV) *.egg-info

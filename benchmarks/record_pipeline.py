@@ -517,7 +517,7 @@ def run_d(paths, args):
         except ImportError:
             python = None
     if python is None:
-        default = os.path.join(ROOT, "build", "tf-venv", "bin", "python")
+        default = os.path.join(ROOT, ".venv-tf", "bin", "python")  # make bench-tf's
         python = default if os.path.exists(default) else None
     if python is None:
         return {

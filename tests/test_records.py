@@ -6,6 +6,7 @@ and the fuzz tests in test_records_fuzz.py.
 
 import itertools
 import os
+import random
 import threading
 import time
 
@@ -278,6 +279,61 @@ def test_parse_example_uses_several_threads_with_the_same_result():
     for key in ("v", "t"):
         assert torch.equal(one[key].values, many[key].values)
         assert torch.equal(one[key].offsets, many[key].offsets)
+
+
+def test_keys_in_any_order_with_unknown_keys_between_and_repeats():
+    # Entries are looked up by the order learnt from earlier records; later
+    # records in other orders, with unknown keys between and a key given
+    # twice (protobuf merges two Examples back to back: the last entry
+    # wins), parse the same. Keys of one length that differ late ("C1",
+    # "C2") and prefixes ("C1", "C10") must not be mistaken for each other.
+    rng = random.Random(5)
+    keys = ["C1", "C2", "C10", "C11", "C100", "label", "I1", "I13", "x"]
+    records, want = [], []
+    for i in range(600):
+        values = {k: i * 100 + j - 50 for j, k in enumerate(keys)}
+        order = list(keys)
+        if i >= 300:
+            rng.shuffle(order)
+        ex = {}
+        for k in order:
+            if rng.random() < 0.25:
+                ex[f"unknown{rng.randrange(4)}"] = [1.5]
+            ex[k] = values[k]
+        record = encode_example(ex)
+        if i % 7 == 0:
+            values["C10"] = -i
+            record += encode_example({"C10": -i})
+        records.append(record)
+        want.append(values)
+    specs = {k: FixedLenFeature((), torch.int64) for k in keys}
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = parse_example(records, specs)
+            for k in keys:
+                assert out[k].tolist() == [w[k] for w in want], k
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_fixed_length_numbers_of_the_wrong_count_are_errors_not_overruns():
+    # Fixed-length numbers are decoded straight into their slot while
+    # counted: a record with more values than the shape must fail naming
+    # the count, and leave no value written into its neighbour's slot.
+    specs = {"i": FixedLenFeature((2,), torch.int64), "f": FixedLenFeature((2,), torch.float32)}
+    good = encode_example({"i": [1, 2], "f": [0.5, 1.5]})
+    assert parse_example([good, good], specs)["i"].tolist() == [[1, 2], [1, 2]]
+    for bad, key, count in [
+        (encode_example({"i": [1, 2, 3], "f": [0.5, 1.5]}), "i", 3),
+        (encode_example({"i": [7], "f": [0.5, 1.5]}), "i", 1),
+        (encode_example({"i": [1, 2], "f": [0.5, 1.5, 2.5]}), "f", 3),
+        (encode_example({"i": [1, 2], "f": ([], torch.float32)}), "f", 0),
+    ]:
+        with pytest.raises(FeatureError, match=f"'{key}' of record 1 holds {count} values") as info:
+            parse_example([good, bad, good], specs)
+        assert (info.value.key, info.value.record_index) == (key, 1)
 
 
 def test_parse_example_empty_batch():

@@ -171,3 +171,41 @@ def test_unpacked_encodings_from_protobuf_parse():
     assert list(parsed_by_protobuf.features.feature["k"].int64_list.value) == values
     out = parse_example([example], {"k": VarLenFeature(torch.int64)})
     assert out["k"].row(0).tolist() == values
+
+
+def test_criteo_like_rows_parse_as_protobuf_reads_them_one_by_one():
+    # The benchmark's rows (benchmarks/records_vs_tf_data.py), serialized by
+    # protobuf (map order its own), parsed as one batch by torch_stage and
+    # one Example at a time by protobuf: the same values. Negative counts
+    # take 10 varint bytes; a multi-hot feature with no id is an empty
+    # Feature (no list set), which reads as an empty list.
+    rng = random.Random(15)
+    dense = [f"I{k}" for k in range(1, 14)]
+    single = [f"C{k}" for k in range(1, 21)]
+    multi = [f"C{k}" for k in range(21, 27)]
+    records = []
+    for _ in range(700):
+        ex = example_pb2.Example()
+        f = ex.features.feature
+        f["label"].int64_list.value.append(rng.randrange(2))
+        for key in dense:
+            f[key].int64_list.value.append(rng.choice([-1, 0, rng.randrange(1000), 2**40]))
+        for key in single:
+            f[key].int64_list.value.append(rng.randrange(2**32))
+        for key in multi:
+            ids = [rng.randrange(2**32) for _ in range(rng.randrange(7))]
+            if ids:
+                f[key].int64_list.value.extend(ids)
+            else:
+                f[key].SetInParent()
+        records.append(ex.SerializeToString())
+    specs = {key: FixedLenFeature((), torch.int64) for key in ["label", *dense, *single]}
+    specs.update({key: VarLenFeature(torch.int64) for key in multi})
+    out = parse_example(records, specs)
+    one_by_one = [example_pb2.Example.FromString(r).features.feature for r in records]
+    for key in ["label", *dense, *single]:
+        assert out[key].tolist() == [f[key].int64_list.value[0] for f in one_by_one], key
+    for key in multi:
+        rows_ = [out[key].row(i).tolist() for i in range(len(records))]
+        assert rows_ == [list(f[key].int64_list.value) for f in one_by_one], key
+    assert any(not f[multi[0]].HasField("int64_list") for f in one_by_one)

@@ -3,6 +3,11 @@
 #include <array>
 #include <cstring>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+#define TORCH_STAGE_CRC32C_SSE42 1
+#endif
+
 namespace torch_stage::records {
 namespace {
 
@@ -29,9 +34,44 @@ constexpr Tables make_tables() {
 
 constexpr Tables kTables = make_tables();
 
+#if defined(TORCH_STAGE_CRC32C_SSE42)
+// SSE4.2's crc32 instruction computes exactly this polynomial, 8 bytes per
+// instruction (~3 cycles each, chained): ~8 GB/s against ~1.5 for the
+// tables. Compiled for SSE4.2 in this function only and chosen at run time,
+// so the library still loads on a CPU without it.
+__attribute__((target("sse4.2"))) uint32_t
+extend_sse42(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = ~crc;
+  for (; n >= 8; p += 8, n -= 8) {
+    uint64_t word;
+    std::memcpy(&word, p, sizeof(word));
+    c = _mm_crc32_u64(c, word);
+  }
+  auto c32 = static_cast<uint32_t>(c);
+  for (; n > 0; ++p, --n) {
+    c32 = _mm_crc32_u8(c32, *p);
+  }
+  return ~c32;
+}
+
+bool cpu_has_sse42() {
+  static const bool has = __builtin_cpu_supports("sse4.2");
+  return has;
+}
+#endif
+
 } // namespace
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
+#if defined(TORCH_STAGE_CRC32C_SSE42)
+  if (cpu_has_sse42()) {
+    return extend_sse42(crc, static_cast<const uint8_t*>(data), n);
+  }
+#endif
+  return crc32c_extend_portable(crc, data, n);
+}
+
+uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
   // Slicing-by-8: eight bytes per step through eight tables. The word is

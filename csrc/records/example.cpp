@@ -55,6 +55,27 @@ struct Cursor {
   }
 
   uint64_t varint() {
+    // Tags, lengths and small values are one byte: most varints here.
+    if (p < end && *p < 0x80) {
+      return *p++;
+    }
+    // With 10 bytes left no byte of the varint needs a bounds check.
+    if (end - p >= 10) {
+      uint64_t v = 0;
+      for (int k = 0; k < 10; ++k) {
+        const uint8_t b = p[k];
+        v |= static_cast<uint64_t>(b & 0x7f) << (7 * k);
+        if (b < 0x80) {
+          p += k + 1;
+          return v;
+        }
+      }
+      malformed(record, p, "varint longer than 10 bytes");
+    }
+    return varint_long();
+  }
+
+  uint64_t varint_long() {
     uint64_t v = 0;
     const uint8_t* start = p;
     for (int shift = 0; shift < 64; shift += 7) {
@@ -149,7 +170,8 @@ void parse_feature(Cursor c, FeatureView* view) {
 
 void parse_entry(
     Cursor c,
-    const std::vector<std::string>& keys,
+    const KeyIndex& keys,
+    KeyIndex::Order* order,
     FeatureView* views) {
   const uint8_t* key = nullptr;
   size_t key_size = 0;
@@ -167,20 +189,18 @@ void parse_entry(
       c.skip(wire);
     }
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const std::string& k = keys[i];
-    if (k.size() == key_size &&
-        (key_size == 0 || std::memcmp(k.data(), key, key_size) == 0)) {
-      // A map's last entry for a key wins.
-      parse_feature(Cursor{c.record, value, value + value_size}, &views[i]);
-      views[i].record = c.record;
-    }
+  const size_t i = keys.find(key, key_size, order);
+  if (i != KeyIndex::kNone) {
+    // A map's last entry for a key wins.
+    parse_feature(Cursor{c.record, value, value + value_size}, &views[i]);
+    views[i].record = c.record;
   }
 }
 
 void parse_features(
     Cursor c,
-    const std::vector<std::string>& keys,
+    const KeyIndex& keys,
+    KeyIndex::Order* order,
     FeatureView* views) {
   while (!c.done()) {
     uint32_t field = 0;
@@ -189,7 +209,7 @@ void parse_features(
     if (field == 1 && wire == kLen) {
       size_t n = 0;
       const uint8_t* entry = c.bytes(&n);
-      parse_entry(Cursor{c.record, entry, entry + n}, keys, views);
+      parse_entry(Cursor{c.record, entry, entry + n}, keys, order, views);
     } else {
       c.skip(wire);
     }
@@ -247,15 +267,77 @@ void put_len(std::string* out, uint32_t field, const std::string& payload) {
 
 } // namespace
 
+KeyIndex::KeyIndex(std::vector<std::string> keys) : keys_(std::move(keys)) {
+  map_.reserve(keys_.size());
+  for (size_t i = 0; i < keys_.size(); ++i) {
+    map_.emplace(std::string_view(keys_[i]), i);
+  }
+}
+
+KeyIndex::Order::Order(const KeyIndex& index) : next_(index.size() + 1) {
+  // Before any record is seen, guess the keys' own order.
+  for (size_t k = 0; k < next_.size(); ++k) {
+    next_[k] = k + 1 < next_.size() ? k + 1 : 0;
+  }
+  previous_ = index.size();
+}
+
+namespace {
+
+// Feature keys are a few bytes: a loop beats a call to memcmp.
+bool same_key(const std::string& want, const uint8_t* key, size_t n) {
+  if (want.size() != n) {
+    return false;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (static_cast<uint8_t>(want[i]) != key[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+size_t KeyIndex::find(const uint8_t* key, size_t n, Order* order) const {
+  const size_t guess = order->next_[order->previous_];
+  size_t found = kNone;
+  if (guess < keys_.size() && same_key(keys_[guess], key, n)) {
+    found = guess;
+  } else {
+    const auto it =
+        map_.find(std::string_view(reinterpret_cast<const char*>(key), n));
+    if (it == map_.end()) {
+      return kNone; // not a key of the parse; the guess stays
+    }
+    found = it->second;
+    order->next_[order->previous_] = found;
+  }
+  order->previous_ = found;
+  return found;
+}
+
 void find_features(
     const uint8_t* data,
     size_t size,
     const std::vector<std::string>& keys,
     FeatureView* views) {
+  const KeyIndex index(keys);
+  KeyIndex::Order order(index);
+  find_features(data, size, index, &order, views);
+}
+
+void find_features(
+    const uint8_t* data,
+    size_t size,
+    const KeyIndex& keys,
+    KeyIndex::Order* order,
+    FeatureView* views) {
   for (size_t i = 0; i < keys.size(); ++i) {
     views[i] = FeatureView{};
     views[i].record = data;
   }
+  keys.begin(order);
   Cursor c{data, data, data + size};
   while (!c.done()) {
     uint32_t field = 0;
@@ -266,12 +348,16 @@ void find_features(
       // entries overwrite earlier ones, which parse_entry does.
       size_t n = 0;
       const uint8_t* features = c.bytes(&n);
-      parse_features(Cursor{data, features, features + n}, keys, views);
+      parse_features(Cursor{data, features, features + n}, keys, order, views);
     } else {
       c.skip(wire);
     }
   }
 }
+
+namespace {
+size_t count_int64(const FeatureView& view);
+} // namespace
 
 ListSize list_size(const FeatureView& view) {
   ListSize s;
@@ -279,51 +365,10 @@ ListSize list_size(const FeatureView& view) {
     case FeatureKind::kNone:
       break;
     case FeatureKind::kInt64:
-      walk_list(
-          view,
-          [&](Cursor p) {
-            while (!p.done()) {
-              p.varint();
-              ++s.values;
-            }
-          },
-          [&](Cursor& c, uint32_t wire) {
-            if (wire != kVarint) {
-              malformed(
-                  view.record,
-                  c.p,
-                  "Int64List value with wire type " + std::to_string(wire) +
-                      ", expected a varint (0) or packed (2)");
-            }
-            c.varint();
-            ++s.values;
-          });
+      s.values = count_int64(view);
       break;
     case FeatureKind::kFloat:
-      walk_list(
-          view,
-          [&](Cursor p) {
-            const size_t n = static_cast<size_t>(p.end - p.p);
-            if (n % 4 != 0) {
-              malformed(
-                  view.record,
-                  p.p,
-                  "packed FloatList of " + std::to_string(n) +
-                      " bytes, expected a multiple of 4");
-            }
-            s.values += n / 4;
-          },
-          [&](Cursor& c, uint32_t wire) {
-            if (wire != kFixed32) {
-              malformed(
-                  view.record,
-                  c.p,
-                  "FloatList value with wire type " + std::to_string(wire) +
-                      ", expected fixed32 (5) or packed (2)");
-            }
-            c.skip(kFixed32);
-            ++s.values;
-          });
+      s.values = decode_float_at_most(view, nullptr, 0);
       break;
     case FeatureKind::kBytes:
       walk_list(
@@ -342,6 +387,119 @@ ListSize list_size(const FeatureView& view) {
       break;
   }
   return s;
+}
+
+namespace {
+
+// The values of an Int64List without decoding them. The usual encoding, one
+// packed run of well-formed varints, is counted by its last bytes (those
+// below 0x80); anything else (unpacked values, several runs, unknown
+// fields, a bad varint) takes the full walk, which also gives the errors.
+size_t count_int64(const FeatureView& view) {
+  const uint8_t* p = view.data;
+  const uint8_t* end = p + view.size;
+  if (p == end) {
+    return 0;
+  }
+  if (*p != 0x0a) { // not field 1, packed
+    return decode_int64_at_most(view, nullptr, 0);
+  }
+  Cursor c{view.record, p + 1, end};
+  size_t n = 0;
+  const uint8_t* payload = c.bytes(&n);
+  if (c.p != end || n == 0 || (payload[n - 1] & 0x80) != 0) {
+    return decode_int64_at_most(view, nullptr, 0);
+  }
+  size_t values = 0;
+  size_t run = 0; // continuation bytes in a row
+  for (size_t i = 0; i < n; ++i) {
+    const bool last = payload[i] < 0x80;
+    values += last;
+    run = last ? 0 : run + 1;
+    if (run >= 10) {
+      return decode_int64_at_most(view, nullptr, 0);
+    }
+  }
+  return values;
+}
+
+} // namespace
+
+size_t decode_int64_at_most(
+    const FeatureView& view,
+    int64_t* out,
+    size_t limit) {
+  if (view.kind != FeatureKind::kInt64) {
+    return 0;
+  }
+  size_t n = 0;
+  walk_list(
+      view,
+      [&](Cursor p) {
+        while (!p.done()) {
+          const auto v = static_cast<int64_t>(p.varint());
+          if (n < limit) {
+            out[n] = v;
+          }
+          ++n;
+        }
+      },
+      [&](Cursor& c, uint32_t wire) {
+        if (wire != kVarint) {
+          malformed(
+              view.record,
+              c.p,
+              "Int64List value with wire type " + std::to_string(wire) +
+                  ", expected a varint (0) or packed (2)");
+        }
+        const auto v = static_cast<int64_t>(c.varint());
+        if (n < limit) {
+          out[n] = v;
+        }
+        ++n;
+      });
+  return n;
+}
+
+size_t decode_float_at_most(const FeatureView& view, float* out, size_t limit) {
+  if (view.kind != FeatureKind::kFloat) {
+    return 0;
+  }
+  size_t n = 0;
+  walk_list(
+      view,
+      [&](Cursor p) {
+        const size_t bytes = static_cast<size_t>(p.end - p.p);
+        if (bytes % 4 != 0) {
+          malformed(
+              view.record,
+              p.p,
+              "packed FloatList of " + std::to_string(bytes) +
+                  " bytes, expected a multiple of 4");
+        }
+        for (; p.p < p.end; p.p += 4) {
+          if (n < limit) {
+            out[n] = load_float(p.p);
+          }
+          ++n;
+        }
+      },
+      [&](Cursor& c, uint32_t wire) {
+        if (wire != kFixed32) {
+          malformed(
+              view.record,
+              c.p,
+              "FloatList value with wire type " + std::to_string(wire) +
+                  ", expected fixed32 (5) or packed (2)");
+        }
+        const uint8_t* at = c.p;
+        c.skip(kFixed32);
+        if (n < limit) {
+          out[n] = load_float(at);
+        }
+        ++n;
+      });
+  return n;
 }
 
 void decode_int64(const FeatureView& view, int64_t* out) {
@@ -519,17 +677,27 @@ void validate_specs(const std::vector<FeatureSpec>& specs) {
   }
 }
 
+namespace {
+
+std::vector<std::string> keys_of(const std::vector<FeatureSpec>& specs) {
+  std::vector<std::string> keys;
+  keys.reserve(specs.size());
+  for (const auto& s : specs) {
+    keys.push_back(s.key);
+  }
+  return keys;
+}
+
+} // namespace
+
 BatchParser::BatchParser(
     const std::vector<FeatureSpec>& specs,
     std::vector<RecordRef> records)
     : specs_(specs),
       records_(std::move(records)),
+      keys_(keys_of(specs)),
       min_error_record_(std::numeric_limits<size_t>::max()) {
   validate_specs(specs_);
-  keys_.reserve(specs_.size());
-  for (const auto& s : specs_) {
-    keys_.push_back(s.key);
-  }
   const size_t cells = records_.size() * specs_.size();
   views_.resize(cells);
   counts_.assign(cells, 0);
@@ -559,13 +727,14 @@ void BatchParser::scan(
     size_t begin,
     size_t end,
     const std::vector<FeatureOutput>& outs) {
+  KeyIndex::Order order(keys_);
   for (size_t i = begin; i < end; ++i) {
     // A lower-indexed record already failed: nothing here can be reported.
     if (i > min_error_record_.load(std::memory_order_relaxed)) {
       return;
     }
     try {
-      scan_one(i, outs);
+      scan_one(i, outs, &order);
     } catch (const RecordError& e) {
       record_error(i, e);
       return;
@@ -573,13 +742,16 @@ void BatchParser::scan(
   }
 }
 
-void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
+void BatchParser::scan_one(
+    size_t i,
+    const std::vector<FeatureOutput>& outs,
+    KeyIndex::Order* order) {
   const size_t ns = specs_.size();
   FeatureView* views = &views_[i * ns];
   const RecordRef& rec = records_[i];
   const auto index = static_cast<int64_t>(i);
   try {
-    find_features(rec.data, rec.size, keys_, views);
+    find_features(rec.data, rec.size, keys_, order, views);
   } catch (const RecordError& e) {
     throw RecordError(
         RecordErrorKind::kNotExample,
@@ -592,13 +764,12 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
   for (size_t s = 0; s < ns; ++s) {
     const FeatureSpec& spec = specs_[s];
     const FeatureView& view = views[s];
-    const std::string expected = with_article(spec.kind);
     if (!view.found) {
       if (!spec.has_default) {
         throw RecordError(
             RecordErrorKind::kMissingFeature,
             "record " + std::to_string(i) + " has no feature '" + spec.key +
-                "' (expected " + expected +
+                "' (expected " + with_article(spec.kind) +
                 "); give the feature a default value to allow that",
             "",
             -1,
@@ -645,20 +816,33 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
       throw RecordError(
           RecordErrorKind::kWrongType,
           "feature '" + spec.key + "' of record " + std::to_string(i) + " is " +
-              with_article(view.kind) + ", expected " + expected,
+              with_article(view.kind) + ", expected " + with_article(spec.kind),
           "",
           -1,
           index,
           spec.key);
     }
+    const size_t fc = static_cast<size_t>(spec.fixed_count);
+    // Fixed-length numbers are validated, counted and decoded in one walk
+    // (never written past their slot; the count is checked below).
+    const bool fixed_numbers =
+        !spec.var_len && spec.kind != FeatureKind::kBytes;
     ListSize size;
     try {
-      size = list_size(view);
+      if (!fixed_numbers) {
+        size = list_size(view);
+      } else if (spec.kind == FeatureKind::kInt64) {
+        size.values = decode_int64_at_most(
+            view, static_cast<int64_t*>(outs[s].values) + i * fc, fc);
+      } else {
+        size.values = decode_float_at_most(
+            view, static_cast<float*>(outs[s].values) + i * fc, fc);
+      }
     } catch (const RecordError& e) {
       throw RecordError(
           RecordErrorKind::kNotExample,
           "feature '" + spec.key + "' of record " + std::to_string(i) +
-              " is not " + expected + ": " + e.what(),
+              " is not " + with_article(spec.kind) + ": " + e.what(),
           "",
           -1,
           index,
@@ -683,17 +867,9 @@ void BatchParser::scan_one(size_t i, const std::vector<FeatureOutput>& outs) {
           index,
           spec.key);
     }
-    const size_t fc = static_cast<size_t>(spec.fixed_count);
-    switch (spec.kind) {
-      case FeatureKind::kInt64:
-        decode_int64(view, static_cast<int64_t*>(outs[s].values) + i * fc);
-        break;
-      case FeatureKind::kFloat:
-        decode_float(view, static_cast<float*>(outs[s].values) + i * fc);
-        break;
-      default:
-        decode_bytes(
-            view, static_cast<uint8_t*>(outs[s].values) + i * fc, nullptr, 0);
+    if (!fixed_numbers) {
+      decode_bytes(
+          view, static_cast<uint8_t*>(outs[s].values) + i * fc, nullptr, 0);
     }
   }
 }

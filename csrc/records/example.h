@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "records/record_error.h"
@@ -56,9 +58,59 @@ struct FeatureView {
   size_t size = 0;
 };
 
+// The keys a parse looks for, with the lookup of an entry's key. Records of
+// one dataset list their features in one order, so the lookup first tries
+// the key that followed the previous key last time (one comparison per
+// entry once the order is learned), then a hash table (any order, unknown
+// keys). Immutable after construction; the learned order lives in a
+// KeyOrder owned by one thread.
+class KeyIndex {
+ public:
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+
+  explicit KeyIndex(std::vector<std::string> keys);
+  KeyIndex(const KeyIndex&) = delete;
+  KeyIndex& operator=(const KeyIndex&) = delete;
+
+  size_t size() const {
+    return keys_.size();
+  }
+
+  // Per-thread state of the lookup: which key followed which.
+  class Order {
+   public:
+    explicit Order(const KeyIndex& index);
+
+   private:
+    friend class KeyIndex;
+    // next_[k]: the key guessed after key k; next_[size()]: the first key.
+    std::vector<size_t> next_;
+    size_t previous_ = 0; // the last key found in this record, or size()
+  };
+
+  // Call at the start of each record.
+  void begin(Order* order) const {
+    order->previous_ = keys_.size();
+  }
+  // The index of the key `key[0:n]`, or kNone.
+  size_t find(const uint8_t* key, size_t n, Order* order) const;
+
+ private:
+  // keys_ is never modified after construction: map_'s views point into it.
+  const std::vector<std::string> keys_;
+  std::unordered_map<std::string_view, size_t> map_;
+};
+
 // Locates keys[i] in the Example `data[0:size]` into views[i] (views has
 // keys.size() entries; absent keys keep found=false). Throws
 // RecordError(kNotExample) naming the byte position of malformed wire data.
+void find_features(
+    const uint8_t* data,
+    size_t size,
+    const KeyIndex& keys,
+    KeyIndex::Order* order,
+    FeatureView* views);
+// The same with a one-off index (tests, single records).
 void find_features(
     const uint8_t* data,
     size_t size,
@@ -78,6 +130,16 @@ ListSize list_size(const FeatureView& view);
 // the end offset of each string relative to `out`, plus `base`).
 void decode_int64(const FeatureView& view, int64_t* out);
 void decode_float(const FeatureView& view, float* out);
+
+// One walk that validates the list as list_size() does (same errors) and
+// decodes its first min(values, limit) values into `out`; returns the
+// number of values. For fixed-length features: the count is checked after,
+// and nothing is written past `limit`.
+size_t decode_int64_at_most(
+    const FeatureView& view,
+    int64_t* out,
+    size_t limit);
+size_t decode_float_at_most(const FeatureView& view, float* out, size_t limit);
 void decode_bytes(
     const FeatureView& view,
     uint8_t* out,
@@ -181,13 +243,16 @@ class BatchParser {
   void check() const;
 
  private:
-  void scan_one(size_t record, const std::vector<FeatureOutput>& outs);
+  void scan_one(
+      size_t record,
+      const std::vector<FeatureOutput>& outs,
+      KeyIndex::Order* order);
   void fill_one(size_t record, const std::vector<FeatureOutput>& outs);
   void record_error(size_t record, const RecordError& error);
 
   const std::vector<FeatureSpec>& specs_;
   std::vector<RecordRef> records_;
-  std::vector<std::string> keys_;
+  KeyIndex keys_;
   // views_[record * specs + spec]; written by scan of that record only.
   std::vector<FeatureView> views_;
   // Var-length counts per (record, spec): values, and bytes for bytes lists;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
 
 namespace torch_stage::records {
 namespace {
@@ -197,30 +198,42 @@ void RecordInput::reader_main(size_t k) {
           return;
         }
         Chunk chunk;
-        size_t bytes = 0;
+        auto send_records = [&] {
+          records_read_.fetch_add(
+              static_cast<int64_t>(chunk.ends.size()),
+              std::memory_order_relaxed);
+          if (!send(chunk)) {
+            return false;
+          }
+          chunk = Chunk{};
+          return true;
+        };
         try {
           RecordReader reader(order[j], options_.compression);
+          // Reused for every record: its buffer is allocated once.
           std::string record;
           while (!stop_.load(std::memory_order_relaxed) &&
                  reader.read(&record)) {
-            bytes += record.size();
-            chunk.records.push_back(std::move(record));
-            records_read_.fetch_add(1, std::memory_order_relaxed);
-            if (chunk.records.size() >=
+            if (chunk.data.capacity() == 0) {
+              chunk.data.reserve(kChunkBytes + record.size());
+              chunk.ends.reserve(static_cast<size_t>(
+                  std::min<int64_t>(options_.chunk_records, 4096)));
+            }
+            chunk.data.insert(chunk.data.end(), record.begin(), record.end());
+            chunk.ends.push_back(chunk.data.size());
+            if (chunk.ends.size() >=
                     static_cast<size_t>(options_.chunk_records) ||
-                bytes >= kChunkBytes) {
-              if (!send(chunk)) {
+                chunk.data.size() >= kChunkBytes) {
+              if (!send_records()) {
                 return;
               }
-              chunk = Chunk{};
-              bytes = 0;
             }
           }
         } catch (const RecordError&) {
           // Deliver what was read before the error, then the error.
           Chunk failed;
           failed.error = std::current_exception();
-          if ((!chunk.records.empty() && !send(chunk)) || !send(failed)) {
+          if ((!chunk.ends.empty() && !send_records()) || !send(failed)) {
             return;
           }
           continue;
@@ -228,7 +241,7 @@ void RecordInput::reader_main(size_t k) {
         if (stop_.load()) {
           return;
         }
-        if (!chunk.records.empty() && !send(chunk)) {
+        if (!chunk.ends.empty() && !send_records()) {
           return;
         }
       }
@@ -248,7 +261,7 @@ void RecordInput::reader_main(size_t k) {
 }
 
 RecordInput::Pull RecordInput::pull(
-    std::string* record,
+    RecordView* record,
     std::exception_ptr* error) {
   while (true) {
     if (active_ == 0) {
@@ -270,7 +283,7 @@ RecordInput::Pull RecordInput::pull(
     }
     const size_t r = turn_;
     Cursor& cur = cursors_[r];
-    if (cur.next >= cur.chunk.records.size()) {
+    if (cur.next >= cur.chunk.ends.size()) {
       Chunk chunk;
       const BufferStatus status = queues_[r]->take(chunk);
       if (status != BufferStatus::kOk) {
@@ -292,11 +305,14 @@ RecordInput::Pull RecordInput::pull(
         turn_ = (r + 1) % readers_;
         continue;
       }
-      if (cur.chunk.records.empty()) {
+      if (cur.chunk.ends.empty()) {
         continue;
       }
     }
-    *record = std::move(cur.chunk.records[cur.next++]);
+    const size_t begin = cur.next == 0 ? 0 : cur.chunk.ends[cur.next - 1];
+    record->data = cur.chunk.data.data() + begin;
+    record->size = cur.chunk.ends[cur.next] - begin;
+    ++cur.next;
     ++epoch_records_;
     turn_ = (r + 1) % readers_;
     return Pull::kRecord;
@@ -335,8 +351,13 @@ void RecordInput::mixer_main() {
   // before any record is read (std::terminate on this thread).
   constexpr size_t kReserveRecords = size_t{1} << 16;
   constexpr size_t kReserveBytes = size_t{64} << 20;
+  // The pool's first `pool_size` strings are its records. Drawn records are
+  // swapped to the end, not destroyed, so every string keeps its buffer and
+  // refills without an allocation once the pool has been full.
   std::vector<std::string> pool;
   pool.reserve(std::min(capacity, kReserveRecords));
+  size_t pool_size = 0;
+  int64_t out_unreported = 0; // records out since records_out_ was updated
   bool exhausted = false;
   bool barren = false; // end with no_records_error() once the pool drains
   bool emitting = false; // set once the pool first reaches the threshold
@@ -352,6 +373,8 @@ void RecordInput::mixer_main() {
   Item current;
 
   auto emit = [&](Item& item) {
+    records_out_.fetch_add(
+        std::exchange(out_unreported, 0), std::memory_order_relaxed);
     if (output_.put(item) != BufferStatus::kOk) {
       return false;
     }
@@ -365,11 +388,11 @@ void RecordInput::mixer_main() {
       // (nothing is emitted before), then two per record emitted, so the
       // pool keeps growing to full while batches flow; at most to full.
       size_t pulls = 0;
-      if (!exhausted && pool.size() < capacity) {
+      if (!exhausted && pool_size < capacity) {
         pulls = emitting ? 2 : 1;
       }
-      for (size_t p = 0; p < pulls && pool.size() < capacity; ++p) {
-        std::string record;
+      for (size_t p = 0; p < pulls && pool_size < capacity; ++p) {
+        RecordView record;
         std::exception_ptr error;
         const Pull got = pull(&record, &error);
         if (got == Pull::kStopped) {
@@ -393,12 +416,16 @@ void RecordInput::mixer_main() {
           }
           continue;
         }
-        pool.push_back(std::move(record));
+        if (pool_size == pool.size()) {
+          pool.emplace_back();
+        }
+        pool[pool_size++].assign(
+            reinterpret_cast<const char*>(record.data), record.size);
       }
       pool_size_.store(
-          static_cast<int64_t>(pool.size()), std::memory_order_relaxed);
+          static_cast<int64_t>(pool_size), std::memory_order_relaxed);
 
-      if (pool.empty() && exhausted) {
+      if (pool_size == 0 && exhausted) {
         if (current.batch.size() > 0) {
           batches_out_.fetch_add(1, std::memory_order_relaxed);
           if (!emit(current)) {
@@ -416,22 +443,21 @@ void RecordInput::mixer_main() {
         output_.close(); // end of data: takers drain, then see kClosed
         return;
       }
-      if (pool.size() >= threshold) {
+      if (pool_size >= threshold) {
         emitting = true;
       }
-      if (pool.empty() || !(emitting || exhausted)) {
+      if (pool_size == 0 || !(emitting || exhausted)) {
         continue;
       }
       // Emit one record drawn uniformly from the pool.
-      const size_t j = static_cast<size_t>(bounded(rng, pool.size()));
+      const size_t j = static_cast<size_t>(bounded(rng, pool_size));
       auto& batch = current.batch;
       const std::string& rec = pool[j];
       batch.data.insert(batch.data.end(), rec.begin(), rec.end());
       batch.offsets.push_back(static_cast<int64_t>(batch.data.size()));
       mean_record = (mean_record * 7 + rec.size()) / 8 + 1;
-      std::swap(pool[j], pool.back());
-      pool.pop_back();
-      records_out_.fetch_add(1, std::memory_order_relaxed);
+      std::swap(pool[j], pool[--pool_size]);
+      ++out_unreported;
       if (batch.size() == batch_size) {
         batches_out_.fetch_add(1, std::memory_order_relaxed);
         if (!emit(current)) {

@@ -162,7 +162,10 @@ class RecordInput {
 
  private:
   struct Chunk {
-    std::vector<std::string> records;
+    // Records back to back (one allocation per chunk, not per record):
+    // record k is data[k == 0 ? 0 : ends[k - 1] : ends[k]].
+    std::vector<uint8_t> data;
+    std::vector<size_t> ends;
     std::exception_ptr error; // a chunk is records, or an error, or
     bool end_of_epoch = false; // the end of the reader's epoch
     // The error is not a data error (e.g. out of memory): the reader has
@@ -183,7 +186,12 @@ class RecordInput {
   void reader_main(size_t reader);
   void mixer_main();
   std::exception_ptr no_records_error() const;
-  Pull pull(std::string* record, std::exception_ptr* error);
+  // A record of the cursor's chunk, valid until the cursor takes the next.
+  struct RecordView {
+    const uint8_t* data = nullptr;
+    size_t size = 0;
+  };
+  Pull pull(RecordView* record, std::exception_ptr* error);
 
   const RecordInputOptions options_;
   std::vector<std::string> files_;
@@ -214,9 +222,12 @@ class RecordInput {
   size_t turn_ = 0; // the reader whose record comes next
   int64_t epoch_records_ = 0; // records pulled in epoch_
 
-  // Counters for stats(): written by the worker threads, read by anyone.
-  std::atomic<int64_t> records_read_{0};
-  std::atomic<int64_t> records_out_{0};
+  // Counters for stats(): written by the worker threads, read by anyone;
+  // updated per chunk (records_read_) and per batch (records_out_), not per
+  // record. The readers' counter has a cache line of its own, away from the
+  // mixer's.
+  alignas(64) std::atomic<int64_t> records_read_{0};
+  alignas(64) std::atomic<int64_t> records_out_{0};
   std::atomic<int64_t> batches_out_{0};
   std::atomic<int64_t> errors_{0};
   std::atomic<int64_t> pool_size_{0};

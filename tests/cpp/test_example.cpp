@@ -37,6 +37,28 @@ FeatureView find(const std::string& example, const std::string& key) {
   return v;
 }
 
+TEST(KeyIndex, FindsEveryKeyInAnyOrderBesideUnknownOnes) {
+  const KeyIndex index({"a", "bb", "b", ""});
+  KeyIndex::Order order(index);
+  auto find = [&](const std::string& key) {
+    return index.find(
+        reinterpret_cast<const uint8_t*>(key.data()), key.size(), &order);
+  };
+  const std::vector<std::string> forward{"a", "bb", "b", ""};
+  const std::vector<std::string> backward{"", "b", "bb", "a"};
+  // The keys' own order, then the reverse twice (the second time learnt),
+  // then forward again: unknown keys and near misses between never match.
+  for (const auto* seen : {&forward, &backward, &backward, &forward}) {
+    index.begin(&order);
+    for (const auto& key : *seen) {
+      EXPECT_EQ(find("nope"), KeyIndex::kNone);
+      EXPECT_EQ(find(key + "x"), KeyIndex::kNone);
+      const size_t want = key == "a" ? 0 : key == "bb" ? 1 : key == "b" ? 2 : 3;
+      EXPECT_EQ(find(key), want) << "key '" << key << "'";
+    }
+  }
+}
+
 TEST(ExampleEncoder, MatchesProtobufBytes) {
   ExampleEncoder b;
   b.add_bytes("b", {"ab", ""});

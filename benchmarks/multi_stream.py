@@ -116,7 +116,7 @@ def _matches(name, expected, got, device, random_ops):
     return bool(torch.allclose(expected, got, rtol=1e-4, atol=1e-5))
 
 
-def bench_models(device, batch, iters, inductor):
+def bench_models(device, batch, iters, inductor, rounds=5):
     results = []
     timer = _gpu_ms if device == "cuda" else _cpu_ms
     for entry in progress(zoo.ZOO, "models"):
@@ -146,12 +146,27 @@ def bench_models(device, batch, iters, inductor):
             )
             for fn in variants.values():  # warm-up (and compile, capture)
                 timer(fn, inputs, 5)
-            times = {name: timer(fn, inputs, iters) for name, fn in variants.items()}
+            # Interleaved rounds: a machine whose load changes during the
+            # run slows every variant of a round alike, so the per-round
+            # ratios are steadier than a ratio of separate medians.
+            per_round = {name: [] for name in variants}
+            for _ in range(rounds):
+                for name, fn in variants.items():
+                    per_round[name].append(timer(fn, inputs, max(1, iters // rounds)))
+            times = {name: statistics.median(v) for name, v in per_round.items()}
         base = times["eager_single_stream"]
         key = "gpu_ms" if device == "cuda" else "cpu_ms"
         row[key] = {name: round(ms, 4) for name, ms in times.items()}
         row["speedup_vs_eager_single_stream"] = {
             name: round(base / ms, 3) for name, ms in times.items() if name != "eager_single_stream"
+        }
+        row["time_vs_eager_per_round_median"] = {
+            name: round(
+                statistics.median(t / b for t, b in zip(v, per_round["eager_single_stream"])),
+                3,
+            )
+            for name, v in per_round.items()
+            if name != "eager_single_stream"
         }
         if device != "cuda":
             row["skipped"] = {
@@ -169,8 +184,9 @@ def _table_row(row, key):
     """One readable line per model on stderr (stdout is the JSON)."""
     times = row[key]
     base = times["eager_single_stream"]
+    ratio = row["time_vs_eager_per_round_median"]
     cells = "  ".join(
-        f"{name} {ms:.3f} ({ms / base:.2f}x)" for name, ms in times.items() if name in _TABLE
+        f"{name} {ms:.3f} ({ratio[name]:.3f}x)" for name, ms in times.items() if name in _TABLE
     )
     print(f"{row['model']:<16} {key} eager {base:.3f}  {cells}", file=sys.stderr, flush=True)
 
@@ -289,6 +305,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed calls per variant")
     parser.add_argument("--batch", type=int, default=1, help="batch size (small: 1)")
     parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds the calls are split into"
+    )
+    parser.add_argument(
+        "--only-models",
+        action="store_true",
+        help="the models section alone (no sanitizer, planning)",
+    )
+    parser.add_argument(
         "--no-inductor", action="store_true", help="leave out torch.compile's default backend"
     )
     add_json_argument(parser)
@@ -301,10 +325,15 @@ def main() -> int:
         if device == "cuda"
         else platform.processor() or "cpu",
         "num_streams": NUM_STREAMS,
-        "models": bench_models(device, args.batch, args.iters, not args.no_inductor),
-        "sanitizer": bench_sanitizer(args.batch, args.iters),
-        "planning": [],
+        "models": bench_models(
+            device, args.batch, args.iters, not args.no_inductor, max(1, args.rounds)
+        ),
     }
+    if args.only_models:
+        emit(report, args.json)
+        return 0
+    report["sanitizer"] = bench_sanitizer(args.batch, args.iters)
+    report["planning"] = []
     if device == "cpu":
         report["note"] = (
             "no GPU: stream ops are no-ops on CPU and CUDA graphs need a GPU, so cpu_ms "

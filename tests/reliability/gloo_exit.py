@@ -1,8 +1,8 @@
 """A 2-rank torchrun job whose rank 1 ends while PyTorch's gloo worker thread
 waits for the GIL to free a finished allreduce (the ddp.gloo_exit scenario):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        tests/reliability/gloo_exit.py
+    PYTHONPATH=.:tests python -m torch.distributed.run --standalone \\
+        --nproc_per_node 2 tests/reliability/gloo_exit.py [return]
 
 Rank 1 launches an allreduce from inside backward, as DDP's reducer does: the
 work captures the thread-local state, which holds the autograd context that
@@ -16,7 +16,9 @@ called without an active exception", exit code -6. Without the handlers the
 same happens at random, when the work is freed just as the rank exits: the
 abort of tests/test_loader_integrations.py's 2-process Accelerate job.
 
-The ranks end as the suite's distributed scripts end theirs.
+The ranks end as the suite's distributed scripts end theirs, with
+rank_exit.end_rank (rank 0 then sees rank 1 gone and does not join); given
+``return``, they return from main() instead and rank 1 aborts every time.
 """
 
 import atexit
@@ -43,6 +45,7 @@ if RANK == 1:
 
 import torch  # noqa: E402 (after the exit handlers: they must run after torch's)
 import torch.distributed as dist  # noqa: E402
+from rank_exit import end_rank  # noqa: E402
 
 
 def rank1_gone(pid: int) -> bool:
@@ -86,3 +89,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if sys.argv[1:] != ["return"]:
+        end_rank()

@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import torch.utils.data as tud
+from rank_exit import end_rank
 
 import torch_stage
 
@@ -134,3 +135,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Not through interpreter finalization, which a gloo worker thread still
+    # freeing a work can abort (see rank_exit).
+    end_rank()

@@ -29,6 +29,7 @@ from reliability.harness import (
 )
 
 SCRIPT = os.path.join(HERE, "ddp_train.py")
+EXIT_SCRIPT = os.path.join(HERE, "gloo_exit.py")
 RANKS = 2
 # One torchrun job's hard limit (a healthy one takes 5-10 s).
 JOB_LIMIT_S = 120
@@ -53,9 +54,10 @@ def _job_pids(leader: int, ranks_only: bool = False) -> list:
     return sorted(pids)
 
 
-def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, staging=None) -> float:
-    """Run the job; return its seconds. Fails the scenario when it fails or
-    hangs past ``limit_s``."""
+def _job(args: list, cwd: str, what: str, limit_s=JOB_LIMIT_S) -> float:
+    """Run torchrun on ``args`` (a script and its arguments) in ``cwd``;
+    return its seconds. Fails the scenario when the job fails, hangs past
+    ``limit_s`` or leaves a process behind."""
     env = child_env(
         {
             "OMP_NUM_THREADS": "1",
@@ -74,11 +76,7 @@ def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, stagin
         str(RANKS),
         "--max_restarts",
         "0",
-        SCRIPT,
-        kind,
-        str(num_workers),
-        out,
-        json.dumps(staging or {}),
+        *args,
     ]
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -87,7 +85,7 @@ def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, stagin
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
-        cwd=os.path.dirname(out),
+        cwd=cwd,
         start_new_session=True,
     )
     try:
@@ -100,7 +98,7 @@ def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, stagin
         kill_group(proc)
         output, _ = proc.communicate()
         raise ScenarioFailure(
-            f"torchrun ({kind}, num_workers={num_workers}) hung for {limit_s:.0f} s\n"
+            f"{what} hung for {limit_s:.0f} s\n"
             f"--- its output ---\n{output[-8000:]}\n--- native stacks ---\n{stacks}"
         ) from None
     seconds = time.monotonic() - start
@@ -108,12 +106,17 @@ def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, stagin
     left = _job_pids(proc.pid)
     if left:
         kill_group(proc)
-    check(
-        proc.returncode == 0 and os.path.exists(out),
-        f"torchrun ({kind}, num_workers={num_workers}) exited with {proc.returncode}:\n"
-        f"{output[-8000:]}",
-    )
-    check(not left, f"processes {left} of the {kind} job outlived it")
+    check(proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{output[-8000:]}")
+    check(not left, f"processes {left} of {what} outlived it")
+    return seconds
+
+
+def _torchrun(kind: str, num_workers: int, out: str, limit_s=JOB_LIMIT_S, staging=None) -> float:
+    """Run the training job; return its seconds."""
+    what = f"torchrun ({kind}, num_workers={num_workers})"
+    args = [SCRIPT, kind, str(num_workers), out, json.dumps(staging or {})]
+    seconds = _job(args, os.path.dirname(out), what, limit_s)
+    check(os.path.exists(out), f"{what} saved no {out}")
     return seconds
 
 
@@ -211,3 +214,14 @@ def torchrun_bit_equal(num_workers, stagings) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return figures
+
+
+@scenario("ddp.gloo_exit", timeout_s=120)
+def gloo_exit() -> dict:
+    """A rank ends while gloo's worker thread waits for the GIL to free a work:
+    no abort ("terminate called without an active exception")"""
+    workdir = tempfile.mkdtemp(prefix="torch_stage_gloo_exit_")
+    try:
+        return {"job_s": _job([EXIT_SCRIPT], workdir, "the gloo_exit.py job")}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

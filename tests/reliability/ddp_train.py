@@ -1,6 +1,6 @@
 """One rank of the reliability suite's DDP job (tests/reliability/ddp.py):
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+    PYTHONPATH=.:tests python -m torch.distributed.run --standalone --nproc_per_node 2 \\
         tests/reliability/ddp_train.py {plain,staged} NUM_WORKERS OUT.pt [STAGING]
 
 Plain PyTorch: a small MLP in DistributedDataParallel on CPU (gloo), SGD,
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.data as tud
+from rank_exit import end_rank
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
@@ -117,3 +118,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Not through interpreter finalization, which a gloo worker thread still
+    # freeing a work can abort (see rank_exit).
+    end_rank()

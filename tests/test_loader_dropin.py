@@ -162,6 +162,48 @@ def test_an_error_raises_for_its_batch_and_the_epoch_goes_on(make, num_workers, 
         assert all("in DataLoader worker process" in o[2] for o in got if o[0] == "error")
 
 
+def refuse_nine(batch):
+    """A per-batch step that fails on one batch: ``transform=`` for ours, the
+    end of ``collate_fn`` for the plain class (where that work goes there)."""
+    if 9 in batch.flatten().tolist():
+        raise TypeError("cannot transform a batch holding item 9")
+    return -batch
+
+
+def collate_then_refuse_nine(items):
+    return refuse_nine(tud.default_collate(items))
+
+
+def same_error_text(seen):
+    # A worker wraps its error's text in ExceptionWrapper's; a transform runs
+    # in the main process, so only the original message is comparable.
+    def text(o):
+        return o[:2] + (o[2].splitlines()[-1].split(": ", 1)[-1],)
+
+    return [text(o) if o[0] == "error" else o for o in seen]
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_transform_error_raises_for_its_batch_and_the_epoch_goes_on(cls_staging, num_workers):
+    cls, staging = cls_staging
+    dataset = Failing(bad=(17,))
+    kwargs = dict(batch_size=4, num_workers=num_workers)
+    expected = outcomes(iter(PLAIN(dataset, collate_fn=collate_then_refuse_nine, **kwargs)), 8)
+    if cls is PLAIN:
+        made = PLAIN(dataset, collate_fn=collate_then_refuse_nine, **kwargs)
+    else:
+        made = cls(dataset, transform=refuse_nine, **kwargs, **staging)
+    got = outcomes(iter(made), 8)
+    assert same_error_text(got) == same_error_text(expected)
+    kinds = ["batch", "batch", "error", "batch", "error", "batch", "end", "end"]
+    assert [o[0] for o in got] == kinds
+    if cls is not PLAIN:
+        # Raised to the training loop, so not counted as skipped.
+        assert made.stats()["skipped"] == 0
+
+
 @timeout
 @pytest.mark.workers
 def test_errors_with_persistent_workers_over_two_epochs(make):
@@ -264,6 +306,32 @@ def test_a_warning_made_an_error_raises_for_its_batch(make, odd):
     expected = run(PLAIN(Warning7(odd), batch_size=3))
     assert run(make(Warning7(odd), batch_size=3)) == expected
     assert [o[0] for o in expected].count("batch") == 3
+
+
+def warn_on_nine(batch):
+    if 9 in batch.flatten().tolist():
+        warnings.warn("a batch holding item 9", UserWarning, stacklevel=1)
+    return batch
+
+
+def collate_then_warn_on_nine(items):
+    return warn_on_nine(tud.default_collate(items))
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_transform_warning_comes_with_its_batch(cls_staging):
+    cls, staging = cls_staging
+    plain = dict(batch_size=3, collate_fn=collate_then_warn_on_nine)
+    expected = warnings_per_next(iter(PLAIN(Warning7(), **plain)), 5)
+    if cls is PLAIN:
+        made = PLAIN(Warning7(), **plain)
+    else:
+        made = cls(Warning7(), batch_size=3, transform=warn_on_nine, **staging)
+    got = warnings_per_next(iter(made), 5)
+    assert got == expected
+    # Batch 2 holds items 6..8 (item 7 warns), batch 3 items 9..11.
+    assert [len(w) for w in got] == [0, 0, 1, 1, 0]
 
 
 @timeout

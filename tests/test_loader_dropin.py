@@ -399,6 +399,32 @@ def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
 
 @timeout
 @pytest.mark.workers
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_iterator_names_its_worker_processes(cls, persistent):
+    # PyTorch's test_partial_workers and test_iterable_style_dataset read
+    # the iterator's _workers to check that the processes exit cleanly.
+    made = loader(cls, Failing(bad=()), batch_size=2, num_workers=2, persistent_workers=persistent)
+    it = iter(made)
+    workers = it._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    for i, _ in enumerate(it):
+        if i == 3:
+            break
+    assert it._workers == workers
+    del it
+    if persistent:
+        assert all(w.is_alive() for w in workers)
+        assert iter(made)._workers == workers  # the same processes, reset
+        del made
+    for w in workers:
+        w.join(10)
+    assert [w.exitcode for w in workers] == [0, 0]
+    with pytest.raises(AttributeError):
+        iter(loader(cls, Failing(bad=()), batch_size=2))._workers  # noqa: B018 (no workers)
+
+
+@timeout
+@pytest.mark.workers
 def test_persistent_workers_stay_until_the_loader_goes(cls):
     before = settles_to(census())
     made = loader(cls, Failing(bad=()), batch_size=2, num_workers=2, persistent_workers=True)

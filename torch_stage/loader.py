@@ -583,7 +583,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         epoch = _Epoch(base, self._known_batches(skip))
         if not (self.persistent_workers and self.num_workers > 0):
             epoch.workers = plain
-        it = _LoaderIter(self, epoch, self._epoch)
+        it = _LoaderIter(self, epoch, self._epoch, getattr(plain, "_workers", None))
         self._current = weakref.ref(it)
         return it
 
@@ -642,10 +642,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 class _LoaderIter:
     """An epoch of a torch_stage.DataLoader; owns its stage and workers."""
 
-    def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict):
+    def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict, workers: Optional[list]):
         self._loader = loader
         self._epoch = epoch
         self._state = state  # the loader's state_dict() bookkeeping
+        self._worker_processes = workers
         self._taken = 0  # batches delivered or raised in this epoch
         self._run: Optional[_Run] = None
         self._stage: Optional[Stage] = None
@@ -786,6 +787,17 @@ class _LoaderIter:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+    @property
+    def _workers(self) -> list:
+        # The plain iterator's worker processes, read-only: PyTorch's own
+        # DataLoader tests (and tools) read _workers to check that they exit
+        # when the iterator goes. A single-process iterator has none.
+        if self._worker_processes is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute '_workers' (num_workers=0)"
+            )
+        return self._worker_processes
 
     def stats(self) -> dict:
         if self._stage is not None:

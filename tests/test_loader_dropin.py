@@ -214,6 +214,40 @@ def test_errors_with_persistent_workers_over_two_epochs(make):
         assert outcomes(iter(ours), 8) == outcomes(iter(plain), 8)
 
 
+class SlowAt(tud.Dataset):
+    """Item ``slow`` takes half a second; the others are immediate."""
+
+    def __init__(self, n=10, slow=2):
+        self.n = n
+        self.slow = slow
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.slow:
+            time.sleep(0.5)
+        return i
+
+
+@timeout
+@pytest.mark.workers
+@pytest.mark.skipif(
+    "in_order" not in inspect.signature(PLAIN).parameters, reason="torch < 2.6: no in_order"
+)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_in_order_gives_the_plain_loaders_order(cls, in_order):
+    # As PyTorch's TestOutOfOrderDataLoader: with in_order=False a slow item
+    # comes when it is ready and the others go past it (how far depends on
+    # timing, in the plain loader too).
+    got = list(loader(cls, SlowAt(), batch_size=None, num_workers=2, in_order=in_order))
+    if in_order:
+        assert got == list(range(10))
+    else:
+        assert sorted(got) == list(range(10))
+        assert got.index(2) > 2
+
+
 # --- 2. Generic over the item type -------------------------------------------
 
 

@@ -203,19 +203,26 @@ class _Run:
     cleanly, nothing staged is lost) and the consumer raises it after the
     batches before it; the consumer's next call pulls the following batch
     itself and starts a new run, as the plain DataLoader goes on after an
-    error. ``tagged``: batches travel as ``(index, batch)``, so that the
-    consumer sees where the stage skipped a batch whose transform raised.
+    error.
     """
 
-    def __init__(self, epoch: _Epoch, tagged: bool):
+    def __init__(self, epoch: _Epoch):
         self.epoch = epoch
-        self.tagged = tagged
         self.demand = threading.Semaphore(0)
         self.stopped = False
         self.handled: list = []  # indices whose transform raised
+        # Producer thread (threading.get_ident(): the stage's C++ threads get
+        # a new Python thread state, so threading.local() data, each time
+        # they take the GIL) -> the index of the batch it pulled last, which
+        # is the batch it transforms next.
+        self.pulled_by: dict = {}
 
     def source(self, index, first):
-        yield (index, first) if self.tagged else first
+        # A producer thread runs the transform of the batch it pulled (here,
+        # in its call of next()) itself: the batch's index is left for it.
+        pulled_by = self.pulled_by
+        pulled_by[threading.get_ident()] = index
+        yield first
         epoch = self.epoch
         while True:
             if epoch.known is not None and epoch.pulled >= epoch.known:
@@ -234,7 +241,8 @@ class _Run:
                 return
             if records:
                 epoch.warnings[index] = records
-            yield (index, batch) if self.tagged else batch
+            pulled_by[threading.get_ident()] = index
+            yield batch
 
     def stop(self) -> None:
         # A source waiting for demand would hold close() for its join timeout.
@@ -242,7 +250,7 @@ class _Run:
         self.demand.release()
 
     def transform(self, transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``transform`` for the stage, on tagged batches.
+        """``transform`` for the stage.
 
         A batch whose transform raises is recorded for the consumer, which
         raises it at the batch's position, and skipped by the stage (which
@@ -250,10 +258,10 @@ class _Run:
         after an error in a plain ``collate_fn``; a stage error would end it.
         Warnings are recorded, as while pulling, for the consumer's next().
         """
-        epoch, handled = self.epoch, self.handled
+        epoch, handled, pulled_by = self.epoch, self.handled, self.pulled_by
 
-        def staged_transform(item):
-            index, batch = item
+        def staged_transform(batch):
+            index = pulled_by[threading.get_ident()]
             records: list = []
             previous = getattr(_recording, "records", None)
             _recording.records = records
@@ -270,7 +278,7 @@ class _Run:
                 _recording.records = previous
             if records:
                 epoch.warnings.setdefault(index, []).extend(records)
-            return index, out
+            return out
 
         return staged_transform
 
@@ -694,7 +702,7 @@ class _LoaderIter:
                 if records:
                     epoch.warnings[index] = records
                 transform = self._loader.transform
-                self._run = _Run(epoch, tagged=transform is not None)
+                self._run = _Run(epoch)
                 self._stage = self._loader._make_stage(
                     self._run.source(index, batch),
                     None if transform is None else self._run.transform(transform),
@@ -713,13 +721,16 @@ class _LoaderIter:
                     self._finish()
                     raise
             else:
-                if self._run.tagged:
-                    position, batch = batch
-                    if position != index:
-                        # The stage skipped batches index..position-1: their
-                        # transform raised.
-                        self._pending = (position, batch)
-                        failed = epoch.failed.pop(index)
+                if epoch.failed and index in epoch.failed:
+                    # The stage skipped this batch (its transform raised) and
+                    # the ones after it recorded with it; it delivers in
+                    # order and records a skip before delivering past it, so
+                    # this batch is the first one after them.
+                    position = index + 1
+                    while position in epoch.failed:
+                        position += 1
+                    self._pending = (position, batch)
+                    failed = epoch.failed.pop(index)
         if failed is not None:
             # Raised outside the except clause: the plain DataLoader's
             # exception has no StopIteration as its context.

@@ -162,6 +162,48 @@ def test_an_error_raises_for_its_batch_and_the_epoch_goes_on(make, num_workers, 
         assert all("in DataLoader worker process" in o[2] for o in got if o[0] == "error")
 
 
+def refuse_nine(batch):
+    """A per-batch step that fails on one batch: ``transform=`` for ours, the
+    end of ``collate_fn`` for the plain class (where that work goes there)."""
+    if 9 in batch.flatten().tolist():
+        raise TypeError("cannot transform a batch holding item 9")
+    return -batch
+
+
+def collate_then_refuse_nine(items):
+    return refuse_nine(tud.default_collate(items))
+
+
+def same_error_text(seen):
+    # A worker wraps its error's text in ExceptionWrapper's; a transform runs
+    # in the main process, so only the original message is comparable.
+    def text(o):
+        return o[:2] + (o[2].splitlines()[-1].split(": ", 1)[-1],)
+
+    return [text(o) if o[0] == "error" else o for o in seen]
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_transform_error_raises_for_its_batch_and_the_epoch_goes_on(cls_staging, num_workers):
+    cls, staging = cls_staging
+    dataset = Failing(bad=(17,))
+    kwargs = dict(batch_size=4, num_workers=num_workers)
+    expected = outcomes(iter(PLAIN(dataset, collate_fn=collate_then_refuse_nine, **kwargs)), 8)
+    if cls is PLAIN:
+        made = PLAIN(dataset, collate_fn=collate_then_refuse_nine, **kwargs)
+    else:
+        made = cls(dataset, transform=refuse_nine, **kwargs, **staging)
+    got = outcomes(iter(made), 8)
+    assert same_error_text(got) == same_error_text(expected)
+    kinds = ["batch", "batch", "error", "batch", "error", "batch", "end", "end"]
+    assert [o[0] for o in got] == kinds
+    if cls is not PLAIN:
+        # Raised to the training loop, so not counted as skipped.
+        assert made.stats()["skipped"] == 0
+
+
 @timeout
 @pytest.mark.workers
 def test_errors_with_persistent_workers_over_two_epochs(make):
@@ -170,6 +212,40 @@ def test_errors_with_persistent_workers_over_two_epochs(make):
     ours = make(Failing(), **kwargs)
     for _ in range(2):
         assert outcomes(iter(ours), 8) == outcomes(iter(plain), 8)
+
+
+class SlowAt(tud.Dataset):
+    """Item ``slow`` takes half a second; the others are immediate."""
+
+    def __init__(self, n=10, slow=2):
+        self.n = n
+        self.slow = slow
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.slow:
+            time.sleep(0.5)
+        return i
+
+
+@timeout
+@pytest.mark.workers
+@pytest.mark.skipif(
+    "in_order" not in inspect.signature(PLAIN).parameters, reason="torch < 2.6: no in_order"
+)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_in_order_gives_the_plain_loaders_order(cls, in_order):
+    # As PyTorch's TestOutOfOrderDataLoader: with in_order=False a slow item
+    # comes when it is ready and the others go past it (how far depends on
+    # timing, in the plain loader too).
+    got = list(loader(cls, SlowAt(), batch_size=None, num_workers=2, in_order=in_order))
+    if in_order:
+        assert got == list(range(10))
+    else:
+        assert sorted(got) == list(range(10))
+        assert got.index(2) > 2
 
 
 # --- 2. Generic over the item type -------------------------------------------
@@ -266,6 +342,32 @@ def test_a_warning_made_an_error_raises_for_its_batch(make, odd):
     assert [o[0] for o in expected].count("batch") == 3
 
 
+def warn_on_nine(batch):
+    if 9 in batch.flatten().tolist():
+        warnings.warn("a batch holding item 9", UserWarning, stacklevel=1)
+    return batch
+
+
+def collate_then_warn_on_nine(items):
+    return warn_on_nine(tud.default_collate(items))
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_transform_warning_comes_with_its_batch(cls_staging):
+    cls, staging = cls_staging
+    plain = dict(batch_size=3, collate_fn=collate_then_warn_on_nine)
+    expected = warnings_per_next(iter(PLAIN(Warning7(), **plain)), 5)
+    if cls is PLAIN:
+        made = PLAIN(Warning7(), **plain)
+    else:
+        made = cls(Warning7(), batch_size=3, transform=warn_on_nine, **staging)
+    got = warnings_per_next(iter(made), 5)
+    assert got == expected
+    # Batch 2 holds items 6..8 (item 7 warns), batch 3 items 9..11.
+    assert [len(w) for w in got] == [0, 0, 1, 1, 0]
+
+
 @timeout
 def test_warnings_on_other_threads_are_untouched(cls):
     # A loader reading ahead must not catch the training loop's warnings.
@@ -327,6 +429,32 @@ def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
         for _ in made:
             break
     assert settles_to(before) == before
+
+
+@timeout
+@pytest.mark.workers
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_iterator_names_its_worker_processes(cls, persistent):
+    # PyTorch's test_partial_workers and test_iterable_style_dataset read
+    # the iterator's _workers to check that the processes exit cleanly.
+    made = loader(cls, Failing(bad=()), batch_size=2, num_workers=2, persistent_workers=persistent)
+    it = iter(made)
+    workers = it._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    for i, _ in enumerate(it):
+        if i == 3:
+            break
+    assert it._workers == workers
+    del it
+    if persistent:
+        assert all(w.is_alive() for w in workers)
+        assert iter(made)._workers == workers  # the same processes, reset
+        del made
+    for w in workers:
+        w.join(10)
+    assert [w.exitcode for w in workers] == [0, 0]
+    with pytest.raises(AttributeError):
+        iter(loader(cls, Failing(bad=()), batch_size=2))._workers  # noqa: B018 (no workers)
 
 
 @timeout

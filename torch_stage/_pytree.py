@@ -69,7 +69,16 @@ def _describe(struct):
     return f"{spec} with tensors at leaves {list(positions)}"
 
 
+class Handled(Exception):
+    """Raised by a stage owner's transform for an item whose error the owner
+    recorded and raises to its consumer itself (torch_stage.DataLoader):
+    listed in ignored_exception_types, the stage skips the item and goes on,
+    without logging a skip."""
+
+
 def on_skip(stage, index, exc):
+    if isinstance(exc, Handled):
+        return
     _log.warning(
         "stage '%s' skipped item %d: %s: %s (in ignored_exception_types)",
         stage,

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch
 import torch.utils.data
 
+from torch_stage import _pytree
 from torch_stage.stage import Stage, staged
 
 __all__ = ["DataLoader", "STAGING_OPTIONS"]
@@ -176,7 +177,10 @@ class _Epoch:
         self.known = known
         self.pulled = 0
         self.warnings: dict = {}  # index -> records, for staged batches
-        self.error: Optional[tuple] = None  # (exception, records) ending a run
+        # index -> (exception, records, ends_run): batches that raised on a
+        # staging thread (in the plain iterator, which ends the run, or in
+        # transform), for the consumer to raise at their position.
+        self.failed: dict = {}
         # The plain iterator whose worker processes the epoch owns (not
         # persistent ones: the loader keeps those).
         self.workers = None
@@ -195,18 +199,29 @@ class _Epoch:
 class _Run:
     """One stage's source: the epoch from a batch the consumer pulled on.
 
-    A batch that raises ends the run (the stage ends cleanly, nothing staged
-    is lost) and the consumer raises it after the batches before it; the
-    consumer's next call pulls the following batch itself and starts a new
-    run, as the plain DataLoader goes on after an error.
+    A batch that raises in the plain iterator ends the run (the stage ends
+    cleanly, nothing staged is lost) and the consumer raises it after the
+    batches before it; the consumer's next call pulls the following batch
+    itself and starts a new run, as the plain DataLoader goes on after an
+    error.
     """
 
     def __init__(self, epoch: _Epoch):
         self.epoch = epoch
         self.demand = threading.Semaphore(0)
         self.stopped = False
+        self.handled: list = []  # indices whose transform raised
+        # Producer thread (threading.get_ident(): the stage's C++ threads get
+        # a new Python thread state, so threading.local() data, each time
+        # they take the GIL) -> the index of the batch it pulled last, which
+        # is the batch it transforms next.
+        self.pulled_by: dict = {}
 
-    def source(self, first):
+    def source(self, index, first):
+        # A producer thread runs the transform of the batch it pulled (here,
+        # in its call of next()) itself: the batch's index is left for it.
+        pulled_by = self.pulled_by
+        pulled_by[threading.get_ident()] = index
         yield first
         epoch = self.epoch
         while True:
@@ -222,16 +237,50 @@ class _Run:
             except StopIteration:
                 return
             except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
-                epoch.error = (exc, records)
+                epoch.failed[index] = (exc, records, True)
                 return
             if records:
                 epoch.warnings[index] = records
+            pulled_by[threading.get_ident()] = index
             yield batch
 
     def stop(self) -> None:
         # A source waiting for demand would hold close() for its join timeout.
         self.stopped = True
         self.demand.release()
+
+    def transform(self, transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``transform`` for the stage.
+
+        A batch whose transform raises is recorded for the consumer, which
+        raises it at the batch's position, and skipped by the stage (which
+        lists ``_pytree.Handled`` as ignored), so that the epoch goes on as
+        after an error in a plain ``collate_fn``; a stage error would end it.
+        Warnings are recorded, as while pulling, for the consumer's next().
+        """
+        epoch, handled, pulled_by = self.epoch, self.handled, self.pulled_by
+
+        def staged_transform(batch):
+            index = pulled_by[threading.get_ident()]
+            records: list = []
+            previous = getattr(_recording, "records", None)
+            _recording.records = records
+            try:
+                out = transform(batch)
+            except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
+                # Without this frame: it refers to the epoch, which would then
+                # hold itself through the exception until the consumer takes it.
+                exc.__traceback__ = exc.__traceback__.tb_next
+                epoch.failed[index] = (exc, records, False)
+                handled.append(index)
+                raise _pytree.Handled from None
+            finally:
+                _recording.records = previous
+            if records:
+                epoch.warnings.setdefault(index, []).extend(records)
+            return out
+
+        return staged_transform
 
 
 # The keyword-only arguments a torch_stage.DataLoader adds, kept as attributes
@@ -326,9 +375,11 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             consumer's current stream). The consumer's stream waits for each
             copy before the batch is handed over.
         transform: per-batch work run on the staging threads, before the
-            copy to ``device``. An exception from it is raised for its batch
-            and ends the epoch (``StageError`` on the next ``next()``), as
-            with ``staged()``.
+            copy to ``device``. An exception from it is raised in the
+            ``next()`` for its batch and the epoch goes on, as after an
+            error in ``collate_fn``; its warnings are raised in that
+            ``next()`` too. Every batch must come out with the structure
+            of the first (as with ``staged()``).
         timeout_millis: how long the training loop waits for a batch before
             ``StageTimeoutError`` (the plain ``timeout`` still bounds workers).
         name: the stage's name (errors, thread names, profiler ranges);
@@ -465,7 +516,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def prefetch_factor(self, value: Optional[int]) -> None:
         self.__dict__["prefetch_factor"] = value
 
-    def _make_stage(self, source) -> Stage:
+    def _make_stage(self, source, transform) -> Stage:
         # Read from the attributes each time, so that what a user (or a
         # loader rebuilt from them) set is what stages.
         return staged(
@@ -473,7 +524,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             capacity=self.capacity,
             num_threads=self.num_threads,
             stage_subgraph_stream_id=self.stage_subgraph_stream_id,
-            transform=self.transform,
+            transform=transform,
+            ignored_exception_types=() if transform is None else (_pytree.Handled,),
             timeout_millis=self.timeout_millis,
             device=self.device,
             name=self.name or "dataloader",
@@ -539,7 +591,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         epoch = _Epoch(base, self._known_batches(skip))
         if not (self.persistent_workers and self.num_workers > 0):
             epoch.workers = plain
-        it = _LoaderIter(self, epoch, self._epoch)
+        it = _LoaderIter(self, epoch, self._epoch, getattr(plain, "_workers", None))
         self._current = weakref.ref(it)
         return it
 
@@ -582,7 +634,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         it ended, those of its last stage."""
         it = self._current_iter()
         if it is not None and it._stage is not None:
-            return it._stage.stats()
+            return it.stats()
         return dict(self._last_stats)
 
     def close(self) -> None:
@@ -598,14 +650,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 class _LoaderIter:
     """An epoch of a torch_stage.DataLoader; owns its stage and workers."""
 
-    def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict):
+    def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict, workers: Optional[list]):
         self._loader = loader
         self._epoch = epoch
         self._state = state  # the loader's state_dict() bookkeeping
+        self._worker_processes = workers
         self._taken = 0  # batches delivered or raised in this epoch
         self._run: Optional[_Run] = None
         self._stage: Optional[Stage] = None
         self._stage_iter = None
+        # (index, batch) the stage delivered after batches whose transform
+        # raised: those are raised first.
+        self._pending: Optional[tuple] = None
         self._last_stats: dict = {}
         self._done = False
 
@@ -617,41 +673,68 @@ class _LoaderIter:
             raise StopIteration
         epoch = self._epoch
         index = self._taken
-        error = None
-        if self._stage is None:
-            # The first batch of an epoch, and the one after an error, is
-            # pulled here, on the consumer's thread, when it asks: the
-            # plain DataLoader draws the sampler's seed there.
-            records: list = []
-            try:
-                batch = epoch.pull(records)
-            except StopIteration:
-                _reemit(records)
-                self._finish()
-                raise
-            except Exception:
-                self._count()
-                _reemit(records)
-                raise
-            if records:
-                epoch.warnings[index] = records
-            self._run = _Run(epoch)
-            self._stage = self._loader._make_stage(self._run.source(batch))
-            self._stage_iter = iter(self._stage)
-        elif epoch.known is not None and index >= epoch.known:
-            self._run.demand.release()
-        try:
-            batch = next(self._stage_iter)
-        except StopIteration:
-            error, epoch.error = epoch.error, None
+        # Batches that raised on a staging thread, the stage's skipped
+        # transform errors and a run's final error, raise at their position.
+        failed = epoch.failed.pop(index, None)
+        if failed is not None and failed[2] and self._stage is not None:
+            # The run ended at this batch: every batch before it was taken.
             self._close_stage()
-            if error is None:
-                self._finish()
-                raise
-        if error is not None:
+        if failed is None and self._pending is not None:
+            batch = self._pending[1]
+            self._pending = None
+        elif failed is None:
+            if self._stage is None:
+                # The first batch of an epoch, and the one after an error in
+                # the plain iterator, is pulled here, on the consumer's
+                # thread, when it asks: the plain DataLoader draws the
+                # sampler's seed there.
+                records: list = []
+                try:
+                    batch = epoch.pull(records)
+                except StopIteration:
+                    _reemit(records)
+                    self._finish()
+                    raise
+                except Exception:
+                    self._count()
+                    _reemit(records)
+                    raise
+                if records:
+                    epoch.warnings[index] = records
+                transform = self._loader.transform
+                self._run = _Run(epoch)
+                self._stage = self._loader._make_stage(
+                    self._run.source(index, batch),
+                    None if transform is None else self._run.transform(transform),
+                )
+                self._stage_iter = iter(self._stage)
+            elif epoch.known is not None and index >= epoch.known:
+                self._run.demand.release()
+            try:
+                batch = next(self._stage_iter)
+            except StopIteration:
+                self._close_stage()
+                # The run ended at an error (raised from the next call on,
+                # a new run follows it), or the epoch did.
+                failed = epoch.failed.pop(index, None)
+                if failed is None:
+                    self._finish()
+                    raise
+            else:
+                if epoch.failed and index in epoch.failed:
+                    # The stage skipped this batch (its transform raised) and
+                    # the ones after it recorded with it; it delivers in
+                    # order and records a skip before delivering past it, so
+                    # this batch is the first one after them.
+                    position = index + 1
+                    while position in epoch.failed:
+                        position += 1
+                    self._pending = (position, batch)
+                    failed = epoch.failed.pop(index)
+        if failed is not None:
             # Raised outside the except clause: the plain DataLoader's
             # exception has no StopIteration as its context.
-            exc, records = error
+            exc, records, _ = failed
             self._count()
             _reemit(records)
             try:
@@ -660,7 +743,7 @@ class _LoaderIter:
                 # The traceback holds this frame: a local naming the
                 # exception would be a cycle keeping the iterator (and its
                 # threads and workers) alive until the garbage collector runs.
-                exc = error = None
+                exc = failed = None
         records = epoch.warnings.pop(index, None)
         # Counted first: under an "error" filter the warning raises instead
         # of the batch, which the plain DataLoader has then used up too.
@@ -673,6 +756,13 @@ class _LoaderIter:
         self._taken += 1
         self._state["consumed"] += 1
 
+    def _stats_of(self, stage: Stage, run: _Run) -> dict:
+        stats = stage.stats()
+        # Batches whose transform raised were raised to the training loop,
+        # not skipped.
+        stats["skipped"] -= len(run.handled)
+        return stats
+
     def _close_stage(self) -> None:
         run, stage = self._run, self._stage
         self._run = self._stage = self._stage_iter = None
@@ -680,7 +770,7 @@ class _LoaderIter:
             run.stop()
         if stage is not None:
             stage.close()
-            self._last_stats = self._loader._last_stats = stage.stats()
+            self._last_stats = self._loader._last_stats = self._stats_of(stage, run)
 
     def _finish(self) -> None:
         if self._loader._epoch is self._state:
@@ -691,6 +781,8 @@ class _LoaderIter:
         """Stop the staging threads and, unless persistent, the workers."""
         self._done = True
         self._close_stage()
+        self._pending = None
+        self._epoch.failed.clear()
         workers, self._epoch.workers = self._epoch.workers, None
         self._epoch.base = None
         # Not left to the plain iterator's __del__: a batch's exception
@@ -707,7 +799,18 @@ class _LoaderIter:
     def __len__(self) -> int:
         return len(self._loader)
 
+    @property
+    def _workers(self) -> list:
+        # The plain iterator's worker processes, read-only: PyTorch's own
+        # DataLoader tests (and tools) read _workers to check that they exit
+        # when the iterator goes. A single-process iterator has none.
+        if self._worker_processes is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute '_workers' (num_workers=0)"
+            )
+        return self._worker_processes
+
     def stats(self) -> dict:
         if self._stage is not None:
-            return self._stage.stats()
+            return self._stats_of(self._stage, self._run)
         return dict(self._last_stats)

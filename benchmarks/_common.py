@@ -7,6 +7,7 @@ drawn, so logs and CI output hold just the JSON and the readable lines.
 
 import json
 import os
+import platform
 import sys
 
 from tqdm import tqdm
@@ -41,3 +42,19 @@ def emit(report: dict, path=None) -> None:
         os.makedirs(folder, exist_ok=True)
         with open(path, "w") as f:
             f.write(text + "\n")
+
+
+def machine() -> dict:
+    """Where a benchmark ran, for its report."""
+    import torch
+
+    import torch_stage
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_stage": torch_stage.__version__,
+    }

@@ -57,13 +57,12 @@ Usage: python benchmarks/record_pipeline.py [--examples N] [--batch-size B]
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 import numpy as np
-from _common import add_json_argument, emit, progress
+from _common import add_json_argument, emit, machine, progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(ROOT, "build", "bench_data", "record_pipeline")
@@ -605,10 +604,6 @@ def main():
     add_json_argument(parser)
     args = parser.parse_args()
 
-    import torch
-
-    import torch_stage
-
     t0 = time.perf_counter()
     paths, total_bytes, generated = data_files(args)
     gen_s = time.perf_counter() - t0
@@ -653,14 +648,7 @@ def main():
         d["checksum_matches_torch"] = d["checksum"] == check["checksum"]
     report = {
         "benchmark": "record_pipeline",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "torch_stage": torch_stage.__version__,
-        },
+        "machine": machine(),
         "data": {
             "dir": DATA_DIR,
             "files": len(paths),

@@ -74,13 +74,13 @@ Usage: python benchmarks/records_vs_tf_data.py [--layout columns|packed]
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from _common import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_ROOT = os.path.join(ROOT, "build", "bench_data", "records_vs_tf_data")
@@ -547,10 +547,6 @@ def main():
     if unknown:
         raise SystemExit(f"--skip: unknown pipelines {sorted(unknown)}; known: {PIPELINES}")
 
-    import torch
-
-    import torch_stage
-
     paths, total_bytes = data_files(args.layout, args.files, args.per_file)
     if args.parse_only:
         got = parse_only(paths, args)
@@ -625,14 +621,7 @@ def main():
     bytes_per_row = total_bytes / (args.files * args.per_file)
     report = {
         "benchmark": "records_vs_tf_data",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "torch_stage": torch_stage.__version__,
-        },
+        "machine": machine(),
         "data": {
             "layout": args.layout,
             "files": len(paths),

@@ -52,6 +52,20 @@ def train_step(model, opt, x, y) -> torch.Tensor:
     return loss
 
 
+def make_stage(args, device: torch.device):
+    """The demo's input stage: batches made on the CPU by background
+    threads, copied to ``device`` on a staging stream."""
+    cpu = torch.device("cpu")
+    return torch_stage.staged(
+        lambda: make_batch(args.batch, args.width, cpu),
+        capacity=args.capacity,
+        num_threads=args.num_threads,
+        device=None if device.type == "cpu" else device,
+        stage_subgraph_stream_id=1,
+        name="demo_input",
+    )
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -129,14 +143,7 @@ def main() -> int:
         # Staged: torch_stage makes the batches (and copies them to the
         # device) in the background while the model trains. The stage starts
         # on the first next(), inside the timing.
-        stage = torch_stage.staged(
-            lambda: make_batch(args.batch, args.width, cpu),
-            capacity=args.capacity,
-            num_threads=args.num_threads,
-            device=None if device.type == "cpu" else device,
-            stage_subgraph_stream_id=1,
-            name="demo_input",
-        )
+        stage = make_stage(args, device)
         with stage:
             sync(device)
             start = time.perf_counter()
@@ -190,14 +197,7 @@ def main() -> int:
         # A short staged run under torch_stage.trace, after the timings so
         # that they are the untraced loop's.
         trace_path = os.path.join(args.out, "trace.json")
-        stage = torch_stage.staged(
-            lambda: make_batch(args.batch, args.width, cpu),
-            capacity=args.capacity,
-            num_threads=args.num_threads,
-            device=None if device.type == "cpu" else device,
-            stage_subgraph_stream_id=1,
-            name="demo_input",
-        )
+        stage = make_stage(args, device)
         with torch_stage.trace(trace_path), stage:
             batches = iter(stage)
             for _ in range(args.trace_steps):

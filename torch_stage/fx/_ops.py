@@ -61,8 +61,8 @@ def _op_run(run: Any) -> Any:
 
 def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
     """Start a stream run: the side streams wait for the current stream
-    (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs and a
-    parameter) give the device. Eagerly a ``torch_stage._C._StreamRun``;
+    (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs, or a
+    parameter for modules whose inputs hold no tensor) give the device. Eagerly a ``torch_stage._C._StreamRun``;
     the op (a ScriptObject) while tracing or for tensor subclasses."""
     if (
         not torch.compiler.is_compiling()

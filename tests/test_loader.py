@@ -1,5 +1,7 @@
 """torch_stage.DataLoader: a drop-in torch.utils.data.DataLoader with staging."""
 
+import time
+
 import pytest
 import torch
 import torch.utils.data as tud
@@ -193,7 +195,7 @@ def test_batches_arrive_on_the_device(device):
 
 
 def test_bad_staging_arguments_fail_at_construction():
-    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"capacity must be >= 1 \(or None: auto-tuned\), got 0"):
         torch_stage.DataLoader(Squares(), capacity=0)
     with pytest.raises(ValueError, match="does not exist"):
         torch_stage.DataLoader(Squares(), device="cuda:9")
@@ -221,3 +223,36 @@ def test_torchscript_still_compiles_warnings_after_a_loader_ran(run_python):
         bag(torch.tensor([1, 2, 3]), torch.tensor([0]))
         """
     )
+
+
+def _busy(seconds: float) -> None:
+    """Pure Python work: holds the GIL throughout."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class PythonMade(torch.utils.data.Dataset):
+    def __len__(self):
+        return 600
+
+    def __getitem__(self, i):
+        _busy(0.0005)
+        return i
+
+
+def test_autotune_makes_batches_in_the_loop_when_a_thread_cannot_overlap():
+    # Batches made by Python code and a training step of Python code both
+    # hold the GIL: a staging thread cannot overlap them, it only adds GIL
+    # hand-overs (each up to the 5 ms switch interval). Auto-tuning tries
+    # one, measures the loop slower, and comes back to the plain
+    # DataLoader's way: batches made in the loop's next().
+    loader = torch_stage.DataLoader(PythonMade(), batch_size=1)
+    seen = []
+    for batch in loader:
+        seen.extend(batch.tolist())
+        _busy(0.001)
+    assert seen == list(range(600))
+    s = loader.stats()
+    assert s["tuning"]["trials"] >= 1, s["tuning"]
+    assert s["inline_items"] >= 300, s["tuning"]

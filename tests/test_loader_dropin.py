@@ -23,10 +23,29 @@ import torch_stage
 
 PLAIN = tud.DataLoader
 CLASSES = [pytest.param(PLAIN, id="plain"), pytest.param(torch_stage.DataLoader, id="staged")]
-# The loaders under test: the plain one, and ours with 1, 2 and 4 staging
-# threads (which read the loader in turns and finish batches out of order).
+
+
+class Restless(torch_stage.DataLoader):
+    """Ours, auto-tuned with a window of one batch: the setting changes all
+    the time, between batches made in the loop's next() and by 1 or 2
+    staging threads."""
+
+    def _make_stage(self, source, transform):
+        saved = torch_stage.stage._TUNE_WINDOW
+        torch_stage.stage._TUNE_WINDOW = (1, 0)
+        try:
+            return super()._make_stage(source, transform)
+        finally:
+            torch_stage.stage._TUNE_WINDOW = saved
+
+
+# The loaders under test: the plain one, ours with its defaults (auto-tuned),
+# auto-tuned restlessly, and with 1, 2 and 4 staging threads (which read the
+# loader in turns and finish batches out of order).
 LOADERS = [
     pytest.param((PLAIN, {}), id="plain"),
+    pytest.param((torch_stage.DataLoader, {}), id="staged-auto"),
+    pytest.param((Restless, {}), id="staged-restless"),
     pytest.param((torch_stage.DataLoader, {"num_threads": 1}), id="staged-1thread"),
     pytest.param((torch_stage.DataLoader, {"num_threads": 2, "capacity": 3}), id="staged-2threads"),
     pytest.param((torch_stage.DataLoader, {"num_threads": 4, "capacity": 4}), id="staged-4threads"),

@@ -806,7 +806,7 @@ def test_resume_bad_use_is_a_clear_error():
     with pytest.raises(ValueError, match="ordered=False"):
         staged([1, 2], num_threads=2, ordered=False).state_dict()
     # One thread delivers in order even when unordered.
-    assert staged([1, 2], ordered=False).state_dict()["position"] == 0
+    assert staged([1, 2], num_threads=1, ordered=False).state_dict()["position"] == 0
 
 
 # --- bad input --------------------------------------------------------------------------------
@@ -815,8 +815,12 @@ def test_resume_bad_use_is_a_clear_error():
 @pytest.mark.parametrize(
     "kwargs, error, text",
     [
-        ({"capacity": 0}, ValueError, "capacity must be >= 1, got 0"),
-        ({"num_threads": 0}, ValueError, "num_threads must be >= 1, got 0"),
+        ({"capacity": 0}, ValueError, r"capacity must be >= 1 \(or None: auto-tuned\), got 0"),
+        (
+            {"num_threads": 0},
+            ValueError,
+            r"num_threads must be >= 1 \(or None: auto-tuned\), got 0",
+        ),
         ({"num_clients": -1}, ValueError, "num_clients must be >= 1, got -1"),
         ({"timeout_millis": 0}, ValueError, "timeout_millis must be > 0, got 0"),
         ({"timeout_millis": 1.5}, TypeError, "timeout_millis must be an int"),
@@ -850,3 +854,57 @@ def test_bad_sources():
         staged(range(3), feed_dict={"a": 1})
     with pytest.raises(TypeError, match="feed_dict must be a dict"):
         staged(lambda: 1, feed_dict={1: 2})
+
+
+# --- auto-tuning ------------------------------------------------------------------------------
+
+
+def test_autotune_tunes_what_is_left_as_none():
+    with staged(range(10)) as stage:
+        assert list(stage) == list(range(10))
+        s = stage.stats()
+        assert s["tuning"] is not None and s["tuning"]["windows"] >= 0
+        assert s["capacity"] >= 2 and 1 <= s["threads"] <= torch_stage.stage._usable_cores()
+    with staged(range(10), capacity=3, num_threads=2) as stage:
+        assert list(stage) == list(range(10))
+        s = stage.stats()
+        assert (s["tuning"], s["capacity"], s["threads"]) == (None, 3, 2)
+    with staged(range(10), autotune=False) as stage:
+        assert list(stage) == list(range(10))
+        s = stage.stats()
+        assert (s["tuning"], s["capacity"], s["threads"]) == (None, 1, 1)
+    with pytest.raises(TypeError, match="autotune must be a bool, got 'yes'"):
+        staged(range(3), autotune="yes")
+
+
+def test_autotune_adds_threads_for_a_slow_transform():
+    # time.sleep releases the GIL, as I/O does: n threads make n items at
+    # once whatever the machine's load. The consumer does nothing, so it
+    # waits, and every thread added pays.
+    cores = torch_stage.stage._usable_cores()
+
+    def slow(x):
+        time.sleep(0.004)
+        return x
+
+    with staged(range(400), transform=slow) as stage:
+        assert list(stage) == list(range(400))
+        s = stage.stats()
+    assert s["threads"] == min(cores, 4) or s["threads"] >= 2, s["tuning"]
+    if cores >= 2:
+        assert any("kept 2 threads" in line for line in s["tuning"]["decisions"]), s["tuning"]
+
+
+def test_autotune_keeps_capacity_within_the_memory_budget(monkeypatch):
+    # Items of 1 MiB and a budget of 3 MiB (1/16 of the "machine"): the
+    # capacity may grow to 3 items, not to the usual 16.
+    monkeypatch.setattr(torch_stage.stage, "_memory_bytes", lambda: 3 << 24)
+    items = (torch.zeros(1 << 18) for _ in range(50))  # 1 MiB each
+    with staged(items, num_threads=1) as stage:
+        assert sum(1 for _ in stage) == 50
+        s = stage.stats()
+    assert s["tuning"]["max_capacity"] == 3 and s["max_occupancy"] <= 3, s
+    monkeypatch.undo()  # the machine's own memory: the usual bound
+    with staged((torch.zeros(1 << 18) for _ in range(50)), num_threads=1) as stage:
+        assert sum(1 for _ in stage) == 50
+        assert stage.stats()["tuning"]["max_capacity"] == 16

@@ -33,6 +33,20 @@ def unflatten(tensors, rest):
     return pytree.tree_unflatten(leaves, spec)
 
 
+def nbytes(obj) -> int:
+    """Bytes of the tensors in an item (auto-tuning's memory budget); 0 for
+    what it cannot walk: a size estimate must never fail an item."""
+    try:
+        leaves = pytree.tree_leaves(obj)
+        return sum(
+            leaf.nelement() * leaf.element_size()
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor)
+        )
+    except Exception:  # noqa: BLE001 (an estimate; the item itself is fine)
+        return 0
+
+
 def structure(obj):
     """The structure of an item: its pytree spec and where its tensors are."""
     leaves, spec = pytree.tree_flatten(obj)

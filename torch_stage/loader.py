@@ -289,6 +289,7 @@ STAGING_OPTIONS = (
     "device",
     "capacity",
     "num_threads",
+    "autotune",
     "stage_subgraph_stream_id",
     "transform",
     "timeout_millis",
@@ -367,9 +368,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         device: deliver batches on this device (None: where collate_fn put
             them). Tensors anywhere in the batch (dicts, lists, tuples,
             namedtuples) are copied; other values pass through.
-        capacity: batches staged ahead (>= 1).
+        capacity: batches staged ahead (>= 1); None (default): auto-tuned
+            from 2 (see ``autotune``).
         num_threads: staging threads; the loader is read by one at a time,
-            ``transform`` and the copies run on all.
+            ``transform`` and the copies run on all. None (default):
+            auto-tuned, from none (batches made in the training loop's
+            ``next()``, as by the plain DataLoader) up to the usable cores.
+        autotune: choose what ``capacity`` and ``num_threads`` leave as None
+            at run time from the training loop's measured rate (see
+            ``torch_stage.staged``); ``stats()["tuning"]`` says what it
+            chose and why. False: 1 thread and capacity 2 unless given.
         stage_subgraph_stream_id: the staging stream for the copies
             (torch_stage's own, never a multi-stream side stream; 0: the
             consumer's current stream). The consumer's stream waits for each
@@ -381,7 +389,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             ``next()`` too. Every batch must come out with the structure
             of the first (as with ``staged()``).
         timeout_millis: how long the training loop waits for a batch before
-            ``StageTimeoutError`` (the plain ``timeout`` still bounds workers).
+            ``StageTimeoutError`` (the plain ``timeout`` still bounds workers;
+            a batch the loop makes itself, when auto-tuning chose no staging
+            thread, is its own work, unbounded as in the plain DataLoader).
         name: the stage's name (errors, thread names, profiler ranges);
             None: ``"dataloader"``.
 
@@ -422,8 +432,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         device=None,
-        capacity: int = 2,
-        num_threads: int = 1,
+        capacity: Optional[int] = None,
+        num_threads: Optional[int] = None,
+        autotune: bool = True,
         stage_subgraph_stream_id: int = 1,
         transform: Optional[Callable[[Any], Any]] = None,
         timeout_millis: int = 300_000,
@@ -436,6 +447,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             (),
             capacity=capacity,
             num_threads=num_threads,
+            autotune=autotune,
             stage_subgraph_stream_id=stage_subgraph_stream_id,
             transform=transform,
             timeout_millis=timeout_millis,
@@ -474,6 +486,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.device = None if device is None else torch.device(device)
         self.capacity = capacity
         self.num_threads = num_threads
+        self.autotune = autotune
         self.stage_subgraph_stream_id = stage_subgraph_stream_id
         self.transform = transform
         self.timeout_millis = timeout_millis
@@ -519,10 +532,17 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _make_stage(self, source, transform) -> Stage:
         # Read from the attributes each time, so that what a user (or a
         # loader rebuilt from them) set is what stages.
+        autotune = getattr(self, "autotune", True)
         return staged(
             source,
-            capacity=self.capacity,
+            capacity=2 if self.capacity is None and not autotune else self.capacity,
             num_threads=self.num_threads,
+            autotune=autotune,
+            # The plain DataLoader produces in the training loop's thread:
+            # auto-tuning may come back to that (no staging thread) when a
+            # thread does not pay, e.g. when the batches are made by Python
+            # code that holds the GIL the training step needs.
+            _min_threads=0,
             stage_subgraph_stream_id=self.stage_subgraph_stream_id,
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),

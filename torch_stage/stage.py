@@ -8,6 +8,7 @@ import collections
 import contextlib
 import copy
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -476,8 +477,8 @@ def _warn(message: str) -> None:
 def staged(
     source,
     *,
-    capacity: int = 1,
-    num_threads: int = 1,
+    capacity: Optional[int] = None,
+    num_threads: Optional[int] = None,
     num_clients: int = 1,
     timeout_millis: int = 300_000,
     closed_exception_types=(StopIteration,),
@@ -491,6 +492,8 @@ def staged(
     transform: Optional[Callable[[Any], Any]] = None,
     ordered: bool = True,
     put_timeout_millis: Optional[int] = None,
+    autotune: bool = True,
+    _min_threads: int = 1,
 ) -> Stage:
     """Produce the items of ``source`` ahead of the consumer, in C++ threads.
 
@@ -505,9 +508,24 @@ def staged(
             (with ``feed_dict`` as keyword arguments). Items are tensors,
             lists, tuples, dicts or any nesting of them; other leaves pass
             through unchanged. Exhausting an iterable ends the stream.
-        capacity: finished items that may wait in the buffer (>= 1).
+        capacity: finished items that may wait in the buffer (>= 1). None
+            (default): chosen by auto-tuning, from 2 up to 16 items and a
+            memory budget (see ``autotune``); 1 without it.
         num_threads: producer threads (>= 1); the source is read by one at a
-            time, the transform and the copy run on all at once.
+            time, the transform and the copy run on all at once. None
+            (default): chosen by auto-tuning between 1 and the cores this
+            process may use; 1 without it.
+        autotune: choose what ``capacity`` and ``num_threads`` leave as
+            None while the stage runs (tf.data's AUTOTUNE, measured instead
+            of modelled): windows of items are timed at the consumer, and a
+            thread more (when the consumer waits), a deeper buffer (when it
+            waits while producers are blocked: bursty production) or a
+            thread fewer (when it does not wait) is tried for a window and
+            kept only when the consumer's rate says so. Capacity stays within
+            1/16 of the machine's memory (at most 2 GiB) over the first
+            item's size. ``stats()["threads"]``, ``stats()["capacity"]`` and
+            ``stats()["tuning"]["decisions"]`` say what it chose and why.
+            Explicit values are never changed.
         num_clients: consumers served at once (>= 1; DeepRec's Take pool).
             Any number of threads may iterate the stage; beyond
             ``num_clients`` they wait for a turn. Each item goes to exactly
@@ -554,8 +572,13 @@ def staged(
     Raises:
         ValueError, TypeError: a bad argument, before any thread starts.
     """
-    check_int("capacity", capacity, 1, ">= 1")
-    check_int("num_threads", num_threads, 1, ">= 1", MAX_THREADS)
+    if capacity is not None:
+        check_int("capacity", capacity, 1, ">= 1 (or None: auto-tuned)")
+    if num_threads is not None:
+        check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_THREADS)
+    if not isinstance(autotune, bool):
+        raise TypeError(f"autotune must be a bool, got {autotune!r}")
+    tuning = _tuning(capacity, num_threads, autotune, _min_threads)
     check_int("num_clients", num_clients, 1, ">= 1")
     check_int("timeout_millis", timeout_millis, 1, "> 0")
     closed = _check_exception_types("closed_exception_types", closed_exception_types)
@@ -611,8 +634,6 @@ def staged(
             closed_types=closed,
             ignored_types=ignored,
             name=name,
-            capacity=capacity,
-            num_threads=num_threads,
             num_clients=num_clients,
             timeout_ms=timeout_millis,
             ordered=bool(ordered),
@@ -620,7 +641,63 @@ def staged(
             device=dev,
             stream_id=stage_subgraph_stream_id,
             put_timeout_ms=put_timeout_millis,
+            **tuning,
         ),
+    )
+
+
+# Auto-tuning's bounds: capacity from 2 up to 16 items and a memory budget
+# of 1/16 of the machine's memory, at most 2 GiB, over the first item's size.
+_AUTO_CAPACITY = (2, 16)
+_BUDGET_FRACTION = 16
+_BUDGET_MAX = 2 << 30
+# The tuner's window: at least this many items and nanoseconds (tests make
+# it (1, 0) to change the setting after every item).
+_TUNE_WINDOW = (8, 50_000_000)
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 16 << 30
+
+
+def _tuning(capacity, num_threads, autotune: bool, min_threads: int) -> dict:
+    """The stage options for the capacity and thread count a user gave or
+    left to auto-tuning (None)."""
+    tune_threads = autotune and num_threads is None
+    tune_capacity = autotune and capacity is None
+    if tune_threads:
+        threads = max(_usable_cores(), min_threads, 1)
+        initial = min_threads
+    else:
+        threads = initial = 1 if num_threads is None else num_threads
+    if tune_capacity:
+        first, most = _AUTO_CAPACITY
+    else:
+        first = most = 1 if capacity is None else capacity
+    if not (tune_threads or tune_capacity):
+        return dict(capacity=first, num_threads=threads)
+    return dict(
+        capacity=first,
+        num_threads=threads,
+        auto_tune=True,
+        min_threads=min_threads if tune_threads else threads,
+        initial_threads=initial,
+        max_capacity=most,
+        memory_budget_bytes=min(_memory_bytes() // _BUDGET_FRACTION, _BUDGET_MAX)
+        if tune_capacity
+        else 0,
+        tune_window_items=_TUNE_WINDOW[0],
+        tune_window_ns=_TUNE_WINDOW[1],
     )
 
 

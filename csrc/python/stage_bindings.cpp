@@ -102,6 +102,7 @@ class PyStageWork final : public StageWork {
         flatten_(helpers.attr("flatten")),
         check_structure_(helpers.attr("StructureChecker")()),
         on_skip_(helpers.attr("on_skip")),
+        nbytes_(helpers.attr("nbytes")),
         flatten_for_device_(flatten_for_device) {}
 
   ~PyStageWork() override {
@@ -114,7 +115,8 @@ class PyStageWork final : public StageWork {
           static_cast<py::object*>(&ignored_types_),
           &flatten_,
           &check_structure_,
-          &on_skip_}) {
+          &on_skip_,
+          &nbytes_}) {
       drop(*obj);
     }
   }
@@ -124,6 +126,7 @@ class PyStageWork final : public StageWork {
     try {
       if (call_source_) {
         item.payload = make_payload(source_(**feed_dict_), false);
+        measure(payload_of(item).obj);
         return Outcome::kItem;
       }
       if (!iterator_) {
@@ -143,6 +146,7 @@ class PyStageWork final : public StageWork {
       }
       item.payload =
           make_payload(py::reinterpret_steal<py::object>(next), false);
+      measure(payload_of(item).obj);
       return Outcome::kItem;
     } catch (py::error_already_set& e) {
       return classify(e, index, item);
@@ -189,6 +193,10 @@ class PyStageWork final : public StageWork {
     return gil_wait_ns_.load();
   }
 
+  int64_t item_bytes() const override {
+    return item_bytes_.load();
+  }
+
  private:
   // Acquires the GIL, adding the time it took to `total`.
   class Gil {
@@ -204,6 +212,15 @@ class PyStageWork final : public StageWork {
    private:
     std::optional<AcquiredGil> gil_;
   };
+
+  // The first item's tensor bytes, for auto-tuning's memory budget (one
+  // walk of one item; called with the GIL held).
+  void measure(const py::object& obj) {
+    if (item_bytes_.load() >= 0) {
+      return;
+    }
+    item_bytes_.store(nbytes_(obj).cast<int64_t>());
+  }
 
   // Called with the GIL held; the Python error is in `e`.
   Outcome classify(py::error_already_set& e, int64_t index, StageItem& item) {
@@ -245,8 +262,10 @@ class PyStageWork final : public StageWork {
   py::object flatten_;
   py::object check_structure_; // a _pytree.StructureChecker
   py::object on_skip_;
+  py::object nbytes_;
   const bool flatten_for_device_;
   std::atomic<int64_t> gil_wait_ns_{0};
+  std::atomic<int64_t> item_bytes_{-1};
 };
 
 [[noreturn]] void raise(const char* type, const std::string& message) {
@@ -392,6 +411,19 @@ class PyStage {
     d["staged_bytes"] = s.staged_bytes;
     d["pinned_buffers"] = s.host_buffers;
     d["pinned_buffer_reuses"] = s.host_buffer_reuses;
+    d["threads"] = s.threads;
+    d["inline_items"] = s.inline_items;
+    d["inline_s"] = s.inline_ns / 1e9;
+    if (s.auto_tune) {
+      py::dict tuning;
+      tuning["windows"] = s.tuning_windows;
+      tuning["trials"] = s.tuning_trials;
+      tuning["max_capacity"] = s.tuning_max_capacity;
+      tuning["decisions"] = py::cast(stage_->tuning_log());
+      d["tuning"] = tuning;
+    } else {
+      d["tuning"] = py::none();
+    }
     d["started"] = s.started;
     d["finished"] = s.finished;
     d["failed"] = s.failed;
@@ -433,7 +465,14 @@ void init_stage(py::module_& m) {
                       py::object device,
                       int64_t stream_id,
                       std::optional<int64_t> put_timeout_ms,
-                      int64_t join_timeout_ms) {
+                      int64_t join_timeout_ms,
+                      bool auto_tune,
+                      int64_t min_threads,
+                      int64_t initial_threads,
+                      int64_t max_capacity,
+                      int64_t memory_budget_bytes,
+                      int64_t tune_window_items,
+                      int64_t tune_window_ns) {
             StageOptions options;
             options.name = name;
             options.capacity = capacity;
@@ -446,6 +485,13 @@ void init_stage(py::module_& m) {
             options.stream_id = stream_id;
             options.put_timeout_ms = put_timeout_ms;
             options.join_timeout = std::chrono::milliseconds(join_timeout_ms);
+            options.auto_tune = auto_tune;
+            options.min_threads = min_threads;
+            options.initial_threads = initial_threads;
+            options.max_capacity = max_capacity;
+            options.memory_budget_bytes = memory_budget_bytes;
+            options.tune_window_items = tune_window_items;
+            options.tune_window_ns = tune_window_ns;
             auto work = std::make_shared<PyStageWork>(
                 name,
                 std::move(source),
@@ -478,7 +524,14 @@ void init_stage(py::module_& m) {
           py::arg("device"),
           py::arg("stream_id"),
           py::arg("put_timeout_ms"),
-          py::arg("join_timeout_ms"))
+          py::arg("join_timeout_ms"),
+          py::arg("auto_tune") = false,
+          py::arg("min_threads") = 1,
+          py::arg("initial_threads") = 1,
+          py::arg("max_capacity") = 1,
+          py::arg("memory_budget_bytes") = 0,
+          py::arg("tune_window_items") = 8,
+          py::arg("tune_window_ns") = 50'000'000)
       .def(
           "start",
           [](PyStage& s) { s.stage().start(); },

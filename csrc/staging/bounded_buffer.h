@@ -230,7 +230,23 @@ class BoundedBuffer {
     return items_.size();
   }
   std::size_t capacity() const {
+    std::lock_guard<std::mutex> lock(mu_);
     return capacity_;
+  }
+
+  // Changes the item bound (the stage's auto-tuning). Growing wakes blocked
+  // producers; shrinking below what is held keeps the items and refuses puts
+  // until consumers took enough. Throws std::invalid_argument unless >= 1.
+  void set_capacity(std::size_t capacity) {
+    if (capacity < 1) {
+      throw std::invalid_argument(
+          "capacity must be >= 1, got " + std::to_string(capacity));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      capacity_ = capacity;
+    }
+    not_full_.notify_all();
   }
   std::size_t byte_limit() const {
     return byte_limit_;
@@ -364,7 +380,7 @@ class BoundedBuffer {
         .count();
   }
 
-  const std::size_t capacity_;
+  std::size_t capacity_; // guarded by mu_ (set_capacity)
   const std::size_t byte_limit_;
   const SizeOf size_of_;
 

@@ -14,6 +14,7 @@
 #include <system_error>
 #include <utility>
 
+#include "staging/auto_tuner.h"
 #include "staging/device_stager.h"
 #include "trace/trace_recorder.h"
 
@@ -169,6 +170,7 @@ enum class Phase : int {
   kCopying,
   kWaitingForTurn,
   kWaitingForSpace,
+  kParked,
   kExited,
 };
 
@@ -188,6 +190,8 @@ const char* phase_text(Phase p) {
       return "waiting for earlier items (ordered delivery)";
     case Phase::kWaitingForSpace:
       return "waiting for space in the buffer (consumers are slower)";
+    case Phase::kParked:
+      return "parked by auto-tuning (fewer threads measured as fast)";
     case Phase::kExited:
       return "exited";
   }
@@ -235,6 +239,20 @@ struct Stage::State : std::enable_shared_from_this<State> {
     if (options.device.has_value()) {
       stager =
           std::make_unique<DeviceStager>(*options.device, options.stream_id);
+    }
+    if (options.auto_tune) {
+      TunerLimits limits;
+      limits.min_threads = options.min_threads;
+      limits.max_threads = options.num_threads;
+      limits.min_capacity = options.capacity;
+      limits.max_capacity = options.max_capacity;
+      limits.window_items = options.tune_window_items;
+      limits.window_ns = options.tune_window_ns;
+      tuner.emplace(
+          limits, TunerSetting{options.initial_threads, options.capacity});
+      active.store(tuner->setting().threads);
+    } else {
+      active.store(options.num_threads);
     }
     const std::string prefix = "torch_stage/" + options.name;
     range_pull = trace::intern(prefix + "/pull");
@@ -288,6 +306,21 @@ struct Stage::State : std::enable_shared_from_this<State> {
   int64_t live = 0;
 
   std::vector<ProducerStatus> statuses;
+  ProducerStatus consumer_status; // a consumer producing an item itself
+
+  // Auto-tuning. `active` producers may work (the rest park on gate_cv,
+  // under gate_mu); tune_mu guards the tuner, which consumers feed.
+  std::atomic<int64_t> active{0};
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  std::mutex tune_mu;
+  std::optional<AutoTuner> tuner;
+  bool budget_applied = false; // guarded by tune_mu
+  // Positions claimed and not yet delivered (or dropped); changes under
+  // source_mu when it grows, so a consumer that sees 0 there with an empty
+  // buffer knows no earlier item can still arrive.
+  std::atomic<int64_t> in_flight{0};
+  std::atomic<int64_t> inline_items{0}, inline_ns{0};
 
   std::mutex warn_mu;
   WarnFn warn; // guarded by warn_mu
@@ -316,6 +349,107 @@ struct Stage::State : std::enable_shared_from_this<State> {
     int64_t current = cutoff.load();
     while (index < current && !cutoff.compare_exchange_weak(current, index)) {
     }
+    wake_parked();
+  }
+
+  void wake_parked() {
+    {
+      // Orders the flags' stores before a parked producer's predicate check.
+      std::lock_guard<std::mutex> lock(gate_mu);
+    }
+    gate_cv.notify_all();
+  }
+
+  // Parks producer `id` while auto-tuning leaves it out. Returns false when
+  // it must exit instead (closed, or the source is done).
+  bool gate(int64_t id, ProducerStatus& status) {
+    if (id < active.load()) {
+      return true;
+    }
+    status.set(Phase::kParked);
+    std::unique_lock<std::mutex> lock(gate_mu);
+    gate_cv.wait(lock, [&] {
+      return stop.load() || source_done_flag.load() || id < active.load();
+    });
+    return !stop.load() && !source_done_flag.load();
+  }
+
+  void apply(TunerSetting setting) {
+    buffer.set_capacity(static_cast<size_t>(setting.capacity));
+    {
+      std::lock_guard<std::mutex> lock(gate_mu);
+      active.store(setting.threads);
+    }
+    gate_cv.notify_all();
+  }
+
+  // After each item a consumer took: feed the tuner (one consumer at a
+  // time; the others skip, their items count in the next sample).
+  void tune() {
+    if (!tuner) {
+      return;
+    }
+    std::unique_lock<std::mutex> lock(tune_mu, std::try_to_lock);
+    if (!lock.owns_lock()) {
+      return;
+    }
+    const int64_t now = now_ns();
+    const int64_t items = consumed.load();
+    if (!tuner->due(now, items)) {
+      return;
+    }
+    bool changed = false;
+    if (!budget_applied && options.memory_budget_bytes > 0) {
+      int64_t bytes = work->item_bytes();
+      if (bytes < 0 && stager) {
+        const DeviceStagerStats d = stager->stats();
+        bytes = d.items > 0 ? d.bytes / d.items : -1;
+      }
+      if (bytes >= 0) {
+        budget_applied = true;
+        const int64_t fit =
+            options.memory_budget_bytes / std::max<int64_t>(bytes, 1);
+        if (fit < tuner->limits().max_capacity) {
+          changed = tuner->set_max_capacity(fit);
+        }
+      }
+    }
+    const BufferStats b = buffer.stats();
+    TunerSample sample;
+    sample.now_ns = now;
+    sample.items = items;
+    sample.wait_ns = b.consumer_wait_ns + inline_ns.load();
+    sample.blocked_ns = b.producer_blocked_ns;
+    changed = tuner->observe(sample) || changed;
+    if (changed) {
+      apply(tuner->setting());
+    }
+  }
+
+  // Whether no producer may work: consumers make items themselves.
+  bool consumers_produce() const {
+    return tuner && active.load() == 0;
+  }
+
+  // A consumer with nothing buffered and no producer allowed to work makes
+  // items itself until one is buffered (a skipped position buffers nothing)
+  // or the source ends. It makes none while an earlier position is still
+  // with a producer (parked since, it finishes that item first): the
+  // consumer's take then waits for it in short slices and comes back here.
+  void produce_inline() {
+    if (!consumers_produce()) {
+      return;
+    }
+    const int64_t start = now_ns();
+    while (consumers_produce() && !source_done_flag.load() && !stop.load() &&
+           buffer.size() == 0) {
+      if (!step(consumer_status, /*consumer=*/true)) {
+        break;
+      }
+      ++inline_items;
+    }
+    inline_ns += now_ns() - start;
+    consumer_status.set(Phase::kExited);
   }
 
   // Runs a StageWork step; C++ exceptions become error items.
@@ -357,72 +491,93 @@ struct Stage::State : std::enable_shared_from_this<State> {
     return o;
   }
 
+  std::string thread_name(int64_t id) const {
+    return c10::str(pool.global_name, ":", options.name, ":", id);
+  }
+
   void produce(int64_t id, const at::ThreadLocalState& starter) {
     // Producers run under the starting thread's thread-local state, as
     // at::launch does for inter-op work: a profiler active there records
     // the stage's ranges, and grad mode matches the consumer's.
     at::ThreadLocalStateGuard tls(starter);
     ProducerStatus& status = statuses[id];
-    name_thread(c10::str(pool.global_name, ":", options.name, ":", id));
+    name_thread(thread_name(id));
     bound_intra_op_threads(pool.intra_op_threads);
     while (!stop.load()) {
-      status.set(Phase::kWaitingForPool);
-      StagePools::Slot slot = StagePools::acquire(options.pool_id, [this] {
-        return stop.load() || source_done_flag.load();
-      });
-      if (!slot) {
-        break;
-      }
-      StageItem item;
-      Outcome outcome = Outcome::kItem;
-      {
-        std::lock_guard<std::mutex> lock(source_mu);
-        if (source_done || stop.load()) {
-          break;
-        }
-        item.index = next_index++;
-        status.set(Phase::kPulling, item.index);
-        outcome =
-            timed(pull_ns, trace::Kind::kPull, range_pull, item.index, [&] {
-              return guarded(
-                  item, "source", [&] { return work->pull(item.index, item); });
-            });
-        if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
-          end_source(item.index);
-        }
-      }
-      if (outcome == Outcome::kItem) {
-        status.set(Phase::kProcessing, item.index);
-        outcome = timed(
-            process_ns, trace::Kind::kProcess, range_process, item.index, [&] {
-              return guarded(
-                  item, "transform", [&] { return work->process(item); });
-            });
-      }
-      if (outcome == Outcome::kItem && stager) {
-        status.set(Phase::kCopying, item.index);
-        outcome =
-            timed(copy_ns, trace::Kind::kCopy, range_copy, item.index, [&] {
-              return guarded(item, "copy to device", [&] {
-                const Outcome o = work->expose_tensors(item);
-                if (o == Outcome::kItem) {
-                  stager->stage(item);
-                }
-                return o;
-              });
-            });
-      }
-      if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
-        std::lock_guard<std::mutex> lock(source_mu);
-        end_source(item.index);
-      }
-      slot.release();
-      if (!deliver(status, std::move(item), outcome)) {
+      if (!gate(id, status) || !step(status, /*consumer=*/false)) {
         break;
       }
     }
     status.set(Phase::kExited);
     producer_exited(status);
+  }
+
+  // One item from the source to the buffer. A producer loops on it (false:
+  // exit); a consumer (`consumer`) runs it once, outside the stage thread
+  // pool, and only when no earlier position is still on its way (true: it
+  // produced an item).
+  bool step(ProducerStatus& status, bool consumer) {
+    StagePools::Slot slot;
+    if (!consumer) {
+      status.set(Phase::kWaitingForPool);
+      slot = StagePools::acquire(options.pool_id, [this] {
+        return stop.load() || source_done_flag.load();
+      });
+      if (!slot) {
+        return false;
+      }
+    }
+    StageItem item;
+    Outcome outcome = Outcome::kItem;
+    {
+      std::lock_guard<std::mutex> lock(source_mu);
+      if (source_done || stop.load()) {
+        return false;
+      }
+      if (consumer && (in_flight.load() != 0 || buffer.size() != 0)) {
+        return false;
+      }
+      item.index = next_index++;
+      ++in_flight;
+      status.set(Phase::kPulling, item.index);
+      outcome = timed(pull_ns, trace::Kind::kPull, range_pull, item.index, [&] {
+        return guarded(
+            item, "source", [&] { return work->pull(item.index, item); });
+      });
+      if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
+        end_source(item.index);
+      }
+    }
+    if (outcome == Outcome::kItem) {
+      status.set(Phase::kProcessing, item.index);
+      outcome = timed(
+          process_ns, trace::Kind::kProcess, range_process, item.index, [&] {
+            return guarded(
+                item, "transform", [&] { return work->process(item); });
+          });
+    }
+    if (outcome == Outcome::kItem && stager) {
+      status.set(Phase::kCopying, item.index);
+      outcome = timed(copy_ns, trace::Kind::kCopy, range_copy, item.index, [&] {
+        return guarded(item, "copy to device", [&] {
+          const Outcome o = work->expose_tensors(item);
+          if (o == Outcome::kItem) {
+            stager->stage(item);
+          }
+          return o;
+        });
+      });
+    }
+    if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
+      std::lock_guard<std::mutex> lock(source_mu);
+      end_source(item.index);
+    }
+    if (slot) {
+      slot.release();
+    }
+    const bool delivered = deliver(status, std::move(item), outcome);
+    --in_flight;
+    return delivered;
   }
 
   // Hands a finished position to consumers, in turn when ordered. Returns
@@ -557,6 +712,11 @@ struct Stage::State : std::enable_shared_from_this<State> {
         // close() keeps the state it uses alive.
         threads.emplace_back(
             [self, starter, i] { self->produce(i, *starter); });
+        // Named here too, so that the threads are visible under their names
+        // once start() returns (a parked producer may not run for a while).
+        pthread_setname_np(
+            threads.back().native_handle(),
+            thread_name(i).substr(0, 15).c_str());
       } catch (const std::system_error& e) {
         refuse_start(i, e);
       }
@@ -611,6 +771,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       std::lock_guard<std::mutex> lock(turn_mu);
     }
     turn_cv.notify_all();
+    wake_parked();
     StagePools::wake_all();
     buffer.cancel();
     {
@@ -643,11 +804,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::string describe() const {
     std::ostringstream out;
     const int64_t now = now_ns();
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      const auto& s = statuses[i];
+    auto write = [&](const ProducerStatus& s) {
       const auto phase = static_cast<Phase>(s.phase.load());
-      out << (i == 0 ? "" : "; ") << "producer " << i << ": "
-          << phase_text(phase);
+      out << phase_text(phase);
       if (s.index.load() >= 0) {
         out << " (item " << s.index.load() << ")";
       }
@@ -655,6 +814,16 @@ struct Stage::State : std::enable_shared_from_this<State> {
         out << " for " << c10::str((now - s.since_ns.load()) / 1000000)
             << " ms";
       }
+    };
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      out << (i == 0 ? "" : "; ") << "producer " << i << ": ";
+      write(statuses[i]);
+    }
+    const auto phase = static_cast<Phase>(consumer_status.phase.load());
+    if (phase == Phase::kPulling || phase == Phase::kProcessing ||
+        phase == Phase::kCopying) {
+      out << "; a consumer producing the next item itself: ";
+      write(consumer_status);
     }
     return out.str();
   }
@@ -671,6 +840,39 @@ StageOptions checked(StageOptions o) {
       o.num_threads >= 1, "num_threads must be >= 1, got ", o.num_threads);
   TORCH_CHECK_VALUE(
       o.num_clients >= 1, "num_clients must be >= 1, got ", o.num_clients);
+  if (o.auto_tune) {
+    TORCH_CHECK_VALUE(
+        o.min_threads >= 0 && o.min_threads <= o.num_threads,
+        "min_threads must be in [0, num_threads=",
+        o.num_threads,
+        "], got ",
+        o.min_threads);
+    TORCH_CHECK_VALUE(
+        o.initial_threads >= o.min_threads &&
+            o.initial_threads <= o.num_threads,
+        "initial_threads must be in [min_threads=",
+        o.min_threads,
+        ", num_threads=",
+        o.num_threads,
+        "], got ",
+        o.initial_threads);
+    TORCH_CHECK_VALUE(
+        o.max_capacity >= o.capacity,
+        "max_capacity must be >= capacity=",
+        o.capacity,
+        ", got ",
+        o.max_capacity);
+    TORCH_CHECK_VALUE(
+        o.tune_window_items >= 1 && o.tune_window_ns >= 0,
+        "the tuning window needs >= 1 item and >= 0 ns, got ",
+        o.tune_window_items,
+        " and ",
+        o.tune_window_ns);
+    TORCH_CHECK_VALUE(
+        o.memory_budget_bytes >= 0,
+        "memory_budget_bytes must be >= 0, got ",
+        o.memory_budget_bytes);
+  }
   TORCH_CHECK_VALUE(
       o.timeout_ms >= 1, "timeout_millis must be >= 1, got ", o.timeout_ms);
   TORCH_CHECK_VALUE(
@@ -731,7 +933,19 @@ TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
     }
     ++st.takers;
   }
-  const BufferStatus status = st.buffer.try_take_until(out, deadline);
+  BufferStatus status;
+  while (true) {
+    st.produce_inline();
+    auto until = deadline;
+    if (st.consumers_produce()) {
+      // Nothing may arrive unless this consumer makes it: look again soon.
+      until = std::min(until, Clock::now() + std::chrono::milliseconds(2));
+    }
+    status = st.buffer.try_take_until(out, until);
+    if (status != BufferStatus::kTimeout || Clock::now() >= deadline) {
+      break;
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(st.clients_mu);
     --st.takers;
@@ -752,6 +966,7 @@ TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
   if (!out.error) {
     DeviceStager::hand_over(out);
     ++st.consumed;
+    st.tune();
   }
   return TakeStatus::kItem;
 }
@@ -815,6 +1030,16 @@ StageStats Stage::stats() const {
     s.host_buffers = d.host_buffers_allocated;
     s.host_buffer_reuses = d.host_buffer_reuses;
   }
+  s.threads = state_->active.load();
+  s.inline_items = state_->inline_items.load();
+  s.inline_ns = state_->inline_ns.load();
+  s.auto_tune = state_->options.auto_tune;
+  if (state_->tuner) {
+    std::lock_guard<std::mutex> lock(state_->tune_mu);
+    s.tuning_windows = state_->tuner->windows();
+    s.tuning_trials = state_->tuner->trials();
+    s.tuning_max_capacity = state_->tuner->limits().max_capacity;
+  }
   s.started = started();
   s.finished = state_->finished.load();
   s.failed = state_->failed.load();
@@ -823,6 +1048,15 @@ StageStats Stage::stats() const {
 
 std::string Stage::describe() const {
   return state_->describe();
+}
+
+std::vector<std::string> Stage::tuning_log() const {
+  if (!state_->tuner) {
+    return {};
+  }
+  std::lock_guard<std::mutex> lock(state_->tune_mu);
+  const auto& log = state_->tuner->log();
+  return {log.begin(), log.end()};
 }
 
 std::string Stage::timeout_message(std::chrono::milliseconds waited) const {

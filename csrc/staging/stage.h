@@ -108,6 +108,11 @@ class StageWork {
   // Make item.tensors hold every tensor of the item (device staging needs
   // them); called before device staging only.
   virtual Outcome expose_tensors(StageItem& item) = 0;
+  // Bytes of one item's tensors, once known (-1 before): auto-tuning keeps
+  // capacity within its memory budget with it. Any thread.
+  virtual int64_t item_bytes() const {
+    return -1;
+  }
 };
 
 // A named budget for stage work (add_stage_thread_pool): how many producers
@@ -162,6 +167,15 @@ class StagePools {
   };
 };
 
+// Auto-tuning (StageOptions::auto_tune; AutoTuner in auto_tuner.h says how
+// it decides). All `num_threads` producer threads exist from start(); the
+// tuner lets `threads` of them work (the others park) and sets the buffer's
+// capacity, from the consumers' take(). With `threads` 0 a consumer that
+// finds the buffer empty and no item in flight produces the next item
+// itself, on its own thread, inside take() (as a single-process DataLoader
+// does): that work is the consumer's, so take()'s timeout does not bound it,
+// and it runs outside any stage thread pool. Delivery order, end of data and
+// errors are the same whoever produced an item.
 struct StageOptions {
   std::string name = "stage";
   int64_t capacity = 1;
@@ -176,6 +190,18 @@ struct StageOptions {
   int64_t stream_id = 0; // staging stream (0: the consumer's stream)
   std::optional<int64_t> put_timeout_ms; // opt-in discard-on-timeout
   std::chrono::milliseconds join_timeout{10000};
+  // Auto-tuning: threads in [min_threads, num_threads] starting at
+  // initial_threads; capacity in [capacity, max_capacity], and at most
+  // memory_budget_bytes over the item size once it is known (0: no bound).
+  bool auto_tune = false;
+  int64_t min_threads = 1;
+  int64_t initial_threads = 1;
+  int64_t max_capacity = 1;
+  int64_t memory_budget_bytes = 0;
+  // The tuner's measuring window (TunerLimits); tests shorten it to make
+  // the setting change all the time.
+  int64_t tune_window_items = 8;
+  int64_t tune_window_ns = 50'000'000;
 };
 
 struct StageStats {
@@ -200,6 +226,15 @@ struct StageStats {
   int64_t staged_bytes = 0;
   int64_t host_buffers = 0;
   int64_t host_buffer_reuses = 0;
+  // Producer threads allowed to work now (num_threads unless auto-tuned),
+  // items consumers produced themselves, and the tuner's windows and trials.
+  int64_t threads = 0;
+  int64_t inline_items = 0;
+  int64_t inline_ns = 0;
+  int64_t tuning_windows = 0;
+  int64_t tuning_trials = 0;
+  int64_t tuning_max_capacity = 0; // after the memory budget
+  bool auto_tune = false;
   bool started = false;
   bool finished = false; // every producer has exited
   bool failed = false;
@@ -261,6 +296,8 @@ class Stage {
   StageStats stats() const;
   // What each producer is doing now, for timeout errors and debugging.
   std::string describe() const;
+  // The auto-tuner's decisions, oldest first (empty unless auto_tune).
+  std::vector<std::string> tuning_log() const;
   // The error a consumer reports when it waited past timeout_ms.
   std::string timeout_message(std::chrono::milliseconds waited) const;
 

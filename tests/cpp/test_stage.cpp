@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -29,6 +30,12 @@ class CountingWork : public StageWork {
 
   Outcome pull(int64_t index, StageItem& item) override {
     ++pulls;
+    if (std::this_thread::get_id() == consumer) {
+      ++consumer_pulls;
+    }
+    if (sleep_us > 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    }
     if (index >= n_) {
       return Outcome::kEnd;
     }
@@ -51,6 +58,9 @@ class CountingWork : public StageWork {
     if (block_forever) {
       std::this_thread::sleep_for(std::chrono::hours(1));
     }
+    if (process_sleep_us > 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(process_sleep_us));
+    }
     return Outcome::kItem;
   }
 
@@ -59,6 +69,10 @@ class CountingWork : public StageWork {
   }
 
   std::atomic<int64_t> pulls{0};
+  std::atomic<int64_t> consumer_pulls{0}; // pulls made on `consumer`
+  std::thread::id consumer = std::this_thread::get_id();
+  int64_t sleep_us = 0;
+  int64_t process_sleep_us = 0;
   int64_t fail_at = -1;
   bool skip_threes = false;
   bool jitter = false;
@@ -191,6 +205,148 @@ TEST(Stage, TimeoutDescribesTheProducers) {
   stage->close();
   EXPECT_NE(warning.find("still inside user code"), std::string::npos)
       << warning;
+}
+
+std::string log_of(const Stage& stage) {
+  std::string out;
+  for (const auto& line : stage.tuning_log()) {
+    out += line + "\n";
+  }
+  return out;
+}
+
+// Auto-tuning that changes its setting after every item (windows of one
+// item, no minimum time), between no thread (the consumer produces) and 4.
+StageOptions restless(int64_t threads, int64_t initial, bool ordered = true) {
+  auto o = options(2, threads, ordered);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = initial;
+  o.max_capacity = 6;
+  o.tune_window_items = 1;
+  o.tune_window_ns = 0;
+  return o;
+}
+
+TEST(Stage, AutoTunedDeliversInOrderWhileTheSettingChanges) {
+  auto work = std::make_shared<CountingWork>(3000);
+  work->jitter = true;
+  work->skip_threes = true;
+  Stage stage(restless(4, 0), work);
+  std::vector<int64_t> expected;
+  for (int64_t i = 0; i < 3000; ++i) {
+    if (i % 10 != 3) {
+      expected.push_back(i);
+    }
+  }
+  EXPECT_EQ(drain(stage), expected) << stage.describe() << "\n"
+                                    << log_of(stage);
+  const auto s = stage.stats();
+  EXPECT_EQ(s.consumed, 2700);
+  EXPECT_EQ(s.skipped, 300);
+  EXPECT_GT(s.tuning_trials, 10);
+  EXPECT_GT(s.inline_items, 0); // some items came from the consumer
+  EXPECT_LT(s.inline_items, 3000); // and some from producers
+  EXPECT_EQ(work->consumer_pulls.load(), s.inline_items);
+  EXPECT_FALSE(stage.tuning_log().empty());
+}
+
+TEST(Stage, AutoTunedUnorderedDeliversEveryItemOnce) {
+  auto work = std::make_shared<CountingWork>(2000);
+  work->jitter = true;
+  Stage stage(restless(3, 2, /*ordered=*/false), work);
+  auto out = drain(stage);
+  std::sort(out.begin(), out.end());
+  EXPECT_EQ(out, iota(2000));
+}
+
+TEST(Stage, AutoTunedErrorArrivesAtItsPositionWhoeverProducedIt) {
+  for (int64_t initial : {0, 1, 3}) {
+    auto work = std::make_shared<CountingWork>(400);
+    work->fail_at = 150;
+    work->jitter = true;
+    Stage stage(restless(3, initial), work);
+    auto expected = iota(150);
+    expected.push_back(-1);
+    EXPECT_EQ(drain(stage), expected) << "initial threads " << initial;
+    EXPECT_TRUE(stage.failed());
+  }
+}
+
+TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
+  auto work = std::make_shared<CountingWork>(50);
+  auto o = options(2, 3);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 2;
+  o.tune_window_ns = 60'000'000'000; // never judged in this test
+  Stage stage(o, work);
+  EXPECT_EQ(drain(stage), iota(50));
+  EXPECT_EQ(work->consumer_pulls.load(), 51); // the end too
+  EXPECT_EQ(stage.stats().inline_items, 51);
+  EXPECT_EQ(stage.stats().threads, 0);
+  EXPECT_TRUE(stage.stats().finished); // parked producers saw the end
+}
+
+TEST(Stage, CloseReleasesParkedProducersAtOnce) {
+  auto work = std::make_shared<CountingWork>(1'000'000);
+  auto o = options(2, 4);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 2;
+  o.tune_window_ns = 60'000'000'000;
+  Stage stage(o, work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  // The producers park as soon as they run (they may not have yet).
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (stage.describe().find("producer 3: parked") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_NE(stage.describe().find("producer 3: parked"), std::string::npos)
+      << stage.describe();
+  const auto start = std::chrono::steady_clock::now();
+  stage.close(30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_EQ(stage.take(item), TakeStatus::kClosed);
+}
+
+TEST(Stage, AutoTuningAddsThreadsForASlowSource) {
+  // Each item sleeps 3 ms in the transform (no CPU: any machine load leaves
+  // the sleep as it is); the consumer does nothing. One thread gives ~330
+  // items/s, more threads proportionally more: the tuner must find that.
+  auto work = std::make_shared<CountingWork>(600);
+  work->process_sleep_us = 3000;
+  auto o = options(2, 4);
+  o.auto_tune = true;
+  o.min_threads = 1;
+  o.initial_threads = 1;
+  o.max_capacity = 8;
+  o.tune_window_ns = 20'000'000;
+  Stage stage(o, work);
+  EXPECT_EQ(drain(stage), iota(600));
+  EXPECT_GE(stage.stats().threads, 3);
+  bool kept = false;
+  for (const auto& line : stage.tuning_log()) {
+    kept = kept || line.find("kept") != std::string::npos;
+  }
+  EXPECT_TRUE(kept);
+}
+
+TEST(Stage, AutoTuningRejectsBadBounds) {
+  auto work = std::make_shared<CountingWork>(3);
+  auto o = options(2, 2);
+  o.auto_tune = true;
+  o.min_threads = 3; // above num_threads
+  EXPECT_THROW(Stage(o, work), c10::ValueError);
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 1; // below capacity
+  EXPECT_THROW(Stage(o, work), c10::ValueError);
+  EXPECT_EQ(work->pulls.load(), 0);
 }
 
 TEST(Stage, PoolsBoundConcurrentWork) {

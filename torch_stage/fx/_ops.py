@@ -62,8 +62,9 @@ def _op_run(run: Any) -> Any:
 def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
     """Start a stream run: the side streams wait for the current stream
     (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs, or a
-    parameter for modules whose inputs hold no tensor) give the device. Eagerly a ``torch_stage._C._StreamRun``;
-    the op (a ScriptObject) while tracing or for tensor subclasses."""
+    parameter for modules whose inputs hold no tensor) give the device.
+    Eagerly a ``torch_stage._C._StreamRun``; the op (a ScriptObject) while
+    tracing or for tensor subclasses."""
     if (
         not torch.compiler.is_compiling()
         and torch._C._get_tracing_state() is None

@@ -1,0 +1,260 @@
+"""torch_stage.DataLoader against the plain DataLoader with the same
+constructor call, and staged() with its defaults against the peers a user
+would pick instead, over a data-bound / balanced / compute-bound grid.
+
+The data side is a map-style dataset whose samples are made by torch ops
+(random images, then augmentation-like elementwise ops, as torchvision's
+tensor transforms do), collated by the default collate_fn; the compute side
+is a training step (an MLP with SGD) sized against it. Per cell:
+
+* ``plain_wN`` / ``ours_wN``: ``torch.utils.data.DataLoader(ds, batch_size=B,
+  shuffle=True, num_workers=N)`` and ``torch_stage.DataLoader`` with exactly
+  the same arguments, N in 0 and 2;
+* ``staged``: ``torch_stage.staged(batches, transform=load)`` with its
+  defaults (the sampler's index batches as the source, loading and collating
+  as the transform);
+* ``torchdata``: torchdata.nodes ``ParallelMapper(method="thread",
+  num_workers=2)`` over the same index batches, prefetched by 2.
+
+Every method runs once per round, rounds alternate the methods, and the
+table gives the median step time and each one's ratio to the plain
+DataLoader with the same arguments (ours) or to ``plain_w2`` (staged,
+torchdata), taken within each round, then the median over rounds. Steady
+state only: each clock starts after the first batch of its epoch.
+
+Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--json PATH]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.utils.data as tud
+from _common import add_json_argument, emit, machine, progress
+
+import torch_stage
+
+try:
+    from torchdata.nodes import IterableWrapper, Loader, ParallelMapper, Prefetcher
+except ImportError:  # the peer is optional
+    ParallelMapper = None
+
+SIZE = 32  # images are 3 x SIZE x SIZE
+BATCH = 32
+
+
+class Images(tud.Dataset):
+    """Random images through ``reps`` rounds of augmentation-like ops."""
+
+    def __init__(self, n: int, reps: int):
+        self.n, self.reps = n, reps
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        x = torch.rand(3, SIZE, SIZE, generator=g)
+        for _ in range(self.reps):
+            x = torch.flip(x, dims=[2])
+            x = (x - 0.5).mul_(1.1).clamp_(-1.0, 1.0)
+            x = torch.nn.functional.avg_pool2d(x.unsqueeze(0), 3, 1, 1).squeeze(0)
+        return x, i % 10
+
+
+class Step:
+    """One SGD step of an MLP on the batch; ``hidden`` sets its cost."""
+
+    def __init__(self, hidden: int):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(3 * SIZE * SIZE, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
+        )
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def __call__(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+
+
+def index_batches(n: int):
+    return list(tud.BatchSampler(range(n), BATCH, drop_last=True))
+
+
+class Load:
+    """Index batch -> collated batch (what a DataLoader worker does)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __call__(self, indices):
+        return tud.default_collate([self.dataset[i] for i in indices])
+
+
+def timed(loader, step, steps: int) -> float:
+    """ms per step after the first batch."""
+    it = iter(loader)
+    step(next(it))
+    start = time.perf_counter()
+    done = 0
+    for batch in it:
+        step(batch)
+        done += 1
+        if done == steps:
+            break
+    elapsed = time.perf_counter() - start
+    close = getattr(it, "close", None) or getattr(loader, "close", None)
+    if close is not None:
+        close()
+    return elapsed / max(done, 1) * 1000
+
+
+def methods(dataset, n: int):
+    """name -> a zero-argument function making the loader of one epoch."""
+    out = {}
+    for workers in (0, 2):
+        out[f"plain_w{workers}"] = lambda w=workers: tud.DataLoader(
+            dataset, batch_size=BATCH, shuffle=True, num_workers=w
+        )
+        out[f"ours_w{workers}"] = lambda w=workers: torch_stage.DataLoader(
+            dataset, batch_size=BATCH, shuffle=True, num_workers=w
+        )
+    out["staged"] = lambda: torch_stage.staged(index_batches(n), transform=Load(dataset))
+    if ParallelMapper is not None:
+        out["torchdata"] = lambda: Loader(
+            Prefetcher(
+                ParallelMapper(
+                    IterableWrapper(index_batches(n)),
+                    Load(dataset),
+                    num_workers=2,
+                    method="thread",
+                ),
+                prefetch_factor=2,
+            )
+        )
+    return out
+
+
+def calibrate(reps: int, hidden: int, steps: int):
+    """Data ms per batch and compute ms per step, each alone."""
+    n = (steps + 2) * BATCH
+    data = timed(tud.DataLoader(Images(n, reps), batch_size=BATCH), lambda b: None, steps)
+    step = Step(hidden)
+    batch = next(iter(tud.DataLoader(Images(BATCH, reps), batch_size=BATCH)))
+    compute = timed([batch] * (steps + 1), step, steps)
+    return data, compute
+
+
+def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) -> dict:
+    n = (steps + 2) * BATCH
+    dataset = Images(n, reps)
+    makers = methods(dataset, n)
+    if only:
+        makers = {k: v for k, v in makers.items() if k in only or k.startswith("plain")}
+    runs: dict = {k: [] for k in makers}
+    ratios: dict = {}
+    stats: dict = {}
+    data_ms, compute_ms = calibrate(reps, hidden, steps)
+    for r in range(rounds):
+        # A fresh model per method and round: every method trains the same.
+        order = list(makers) if r % 2 == 0 else list(reversed(list(makers)))
+        this = {}
+        for key in order:
+            loader = makers[key]()
+            this[key] = timed(loader, Step(hidden), steps)
+            if hasattr(loader, "stats"):
+                stats[key] = loader.stats()
+            runs[key].append(this[key])
+        for key in makers:
+            base = (
+                f"plain_w{key[-1]}"
+                if key.startswith("ours")
+                else ("plain_w2" if not key.startswith("plain") else None)
+            )
+            if base is not None:
+                ratios.setdefault(key, []).append(this[base] / this[key])
+    row = {
+        "cell": name,
+        "data_ms": round(data_ms, 3),
+        "compute_ms": round(compute_ms, 3),
+        "step_ms": {k: round(statistics.median(v), 3) for k, v in runs.items()},
+        "speed_vs_plain": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+        "tuning": {
+            k: {key: s.get(key) for key in ("threads", "capacity", "tuning") if key in s}
+            for k, s in stats.items()
+        },
+    }
+    return row
+
+
+GRID = {
+    # name: (augmentation rounds per sample, hidden width)
+    "data-bound": (6, 256),
+    "balanced": (3, 512),
+    "compute-bound": (1, 1024),
+}
+
+
+def table(rows) -> str:
+    keys = [k for k in rows[0]["step_ms"]]
+    head = f"{'cell':14} {'D ms':>6} {'C ms':>6} " + " ".join(f"{k:>10}" for k in keys)
+    lines = [head]
+    for row in rows:
+        lines.append(
+            f"{row['cell']:14} {row['data_ms']:6.1f} {row['compute_ms']:6.1f} "
+            + " ".join(f"{row['step_ms'][k]:10.2f}" for k in keys)
+        )
+    lines.append("")
+    ratio_keys = [k for k in rows[0]["speed_vs_plain"]]
+    lines.append(
+        "speed against the plain DataLoader with the same arguments (ours_wN: plain_wN; "
+        "staged, torchdata: plain_w2); > 1 is faster"
+    )
+    lines.append(f"{'cell':14} " + " ".join(f"{k:>10}" for k in ratio_keys))
+    for row in rows:
+        lines.append(
+            f"{row['cell']:14} " + " ".join(f"{row['speed_vs_plain'][k]:10.3f}" for k in ratio_keys)
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cells", nargs="*", default=list(GRID), choices=list(GRID))
+    parser.add_argument("--only", nargs="*", default=None, help="methods besides plain_*")
+    add_json_argument(parser)
+    args = parser.parse_args()
+    rows = [
+        cell(name, *GRID[name], args.steps, args.rounds, args.only)
+        for name in progress(args.cells, "cells")
+    ]
+    print(table(rows))
+    print()
+    emit(
+        {
+            "benchmark": "dataloader_grid",
+            "machine": machine(),
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "batch_size": BATCH,
+            "unit": "ms per step (steady state), median over rounds; ratios per round",
+            "cells": rows,
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

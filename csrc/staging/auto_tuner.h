@@ -1,0 +1,370 @@
+// AutoTuner: a stage's producer-thread count and buffer capacity, chosen at
+// run time from what the consumer measures (torch_stage's AUTOTUNE).
+//
+// Plain C++17, no torch headers: tested under ThreadSanitizer and
+// AddressSanitizer with the other pure units (tests/cpp/test_auto_tuner.cpp).
+//
+// What it optimises, and why that and not a model
+// ------------------------------------------------
+// The consumer's rate: items taken per second of the consumer's loop, which
+// is the training step's throughput. tf.data's AUTOTUNE predicts that rate
+// from a model of each stage's processing time; here it is measured, trial
+// against baseline, because what decides it on a CPU is what no model of the
+// pipeline sees: a producer thread and the training step share cores, the
+// GIL and memory bandwidth, so one more thread can make the step slower
+// (torch's OpenMP teams stall at barriers when a core is taken; a Python
+// source holds the GIL the step needs between ops). Only a measurement says
+// whether the extra thread paid.
+//
+// The search
+// ----------
+// Windows of at least `window_items` items and `window_ns` of time are
+// measured one after the other. A window at the settled setting is a
+// baseline; from it the tuner may try one move, for one window:
+// * more threads, when the consumer waited for more than `wait_fraction` of
+//   the window; from no thread (the consumer produced inline) also only
+//   when the ideal gain of overlapping the two, (D + C) / max(D, C) with D
+//   the production per item and C the rest of the step, is worth a trial;
+// * more capacity, when the consumer waited while producers were also
+//   blocked for space (bursty production: a deeper buffer absorbs it);
+// * fewer threads, when the consumer did not wait (the thread may cost the
+//   step more than it gives), or when it waited but more threads and
+//   capacity were just refused (the producer thread may be what slows the
+//   consumer: a Python source holding the GIL the step needs).
+// A trial is kept when its rate beats the baseline by `gain_margin` (more
+// threads or capacity) or stays within `loss_margin` of it (fewer threads:
+// the cheaper setting wins ties); otherwise the setting goes back and that
+// move waits twice as many windows as last time before it is tried again
+// (up to `max_backoff`), so a rejected move costs a vanishing share of the
+// run. After any change the first items (what the old setting left in the
+// buffer or in flight) are not measured.
+//
+// Threads
+// -------
+// Not thread-safe: the stage calls it from consumers under its tuning mutex.
+// It never blocks and allocates only when it logs a decision.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <sstream>
+#include <string>
+
+namespace torch_stage {
+
+struct TunerLimits {
+  int64_t min_threads = 1; // 0: consumers may produce items themselves
+  int64_t max_threads = 1;
+  int64_t min_capacity = 1;
+  int64_t max_capacity = 1;
+  int64_t window_items = 8;
+  int64_t window_ns = 50'000'000;
+  double wait_fraction = 0.08; // consumer waiting above this: input-bound
+  double gain_margin = 0.03; // more threads or capacity must gain this much
+  double loss_margin = 0.03; // fewer threads may lose at most this much
+  int64_t max_backoff = 64; // windows
+  std::size_t log_size = 32;
+};
+
+struct TunerSetting {
+  int64_t threads = 1;
+  int64_t capacity = 1;
+  bool operator==(const TunerSetting& o) const {
+    return threads == o.threads && capacity == o.capacity;
+  }
+};
+
+// Cumulative counters at one take.
+struct TunerSample {
+  int64_t now_ns = 0;
+  int64_t items = 0; // items taken so far
+  // Consumers waiting for an item, or producing it themselves (inline).
+  int64_t wait_ns = 0;
+  // Producers waiting for buffer space.
+  int64_t blocked_ns = 0;
+};
+
+class AutoTuner {
+ public:
+  enum class Move : int {
+    kNone = -1,
+    kMoreThreads,
+    kFewerThreads,
+    kMoreCapacity
+  };
+
+  AutoTuner(TunerLimits limits, TunerSetting start)
+      : limits_(limits), setting_(clamp(start)) {}
+
+  // Whether observe() would use a sample now: call it on every take (cheap),
+  // and build the full sample (which reads the buffer's counters) only then.
+  bool due(int64_t now_ns, int64_t items) const {
+    if (!started_ || settle_ > 0) {
+      return true;
+    }
+    return items - start_.items >= limits_.window_items &&
+        now_ns - start_.now_ns >= limits_.window_ns;
+  }
+
+  // Feeds one sample; returns true when setting() changed.
+  bool observe(const TunerSample& s) {
+    if (!started_) {
+      started_ = true;
+      start_ = s;
+      return false;
+    }
+    if (settle_ > 0) {
+      if (--settle_ == 0) {
+        start_ = s;
+      }
+      return false;
+    }
+    const int64_t items = s.items - start_.items;
+    const int64_t ns = s.now_ns - start_.now_ns;
+    if (items < limits_.window_items || ns < limits_.window_ns || ns <= 0) {
+      return false;
+    }
+    const double rate = static_cast<double>(items) / static_cast<double>(ns);
+    const double wait = static_cast<double>(s.wait_ns - start_.wait_ns) / ns;
+    const double blocked =
+        static_cast<double>(s.blocked_ns - start_.blocked_ns) /
+        (static_cast<double>(ns) * std::max<int64_t>(setting_.threads, 1));
+    const double wait_per_item =
+        static_cast<double>(s.wait_ns - start_.wait_ns) / items;
+    const double rest_per_item =
+        static_cast<double>(ns) / items - wait_per_item;
+    start_ = s;
+    ++windows_;
+    last_rate_ = rate;
+    if (trial_ != Move::kNone) {
+      return judge(rate);
+    }
+    for (auto& c : cooldown_) {
+      c = std::max<int64_t>(c - 1, 0);
+    }
+    const double ideal_gain = (wait_per_item + rest_per_item) /
+        std::max(wait_per_item, rest_per_item);
+    // Moves in order of preference; the first allowed and not cooling down
+    // is tried. A waiting consumer also tries a thread fewer once more
+    // threads and capacity were refused: the thread may be what slows it.
+    Move move = Move::kNone;
+    const bool waiting = wait > limits_.wait_fraction;
+    const Move waiting_order[] = {
+        Move::kMoreThreads, Move::kMoreCapacity, Move::kFewerThreads};
+    const Move idle_order[] = {Move::kFewerThreads};
+    const Move* first = waiting ? waiting_order : idle_order;
+    const Move* last = waiting ? waiting_order + 3 : idle_order + 1;
+    for (const Move* m = first; m != last && move == Move::kNone; ++m) {
+      if (!ready(*m)) {
+        continue;
+      }
+      switch (*m) {
+        case Move::kMoreThreads:
+          // From none, a thread can only overlap the consumer's own
+          // production with the rest of its step; from one, more threads
+          // produce in parallel, whatever the consumer does.
+          if (setting_.threads < limits_.max_threads &&
+              (setting_.threads > 0 ||
+               ideal_gain > 1.0 + limits_.gain_margin)) {
+            move = *m;
+          }
+          break;
+        case Move::kMoreCapacity:
+          if (setting_.threads > 0 && blocked > limits_.wait_fraction &&
+              setting_.capacity < limits_.max_capacity) {
+            move = *m;
+          }
+          break;
+        case Move::kFewerThreads:
+          if (setting_.threads > limits_.min_threads &&
+              (!waiting || !ready(Move::kMoreThreads) ||
+               setting_.threads >= limits_.max_threads)) {
+            move = *m;
+          }
+          break;
+        case Move::kNone:
+          break;
+      }
+    }
+    if (move == Move::kNone) {
+      return false;
+    }
+    base_rate_ = rate;
+    base_ = setting_;
+    trial_ = move;
+    TunerSetting next = setting_;
+    switch (move) {
+      case Move::kMoreThreads:
+        ++next.threads;
+        break;
+      case Move::kFewerThreads:
+        --next.threads;
+        break;
+      case Move::kMoreCapacity:
+        ++next.capacity;
+        break;
+      case Move::kNone:
+        break;
+    }
+    std::ostringstream why;
+    why << "window " << windows_ << ": trying " << describe(next) << " ("
+        << reason(move, wait, blocked, ideal_gain, limits_.wait_fraction)
+        << ")";
+    change(next, why.str());
+    return true;
+  }
+
+  TunerSetting setting() const {
+    return setting_;
+  }
+  // Whether the samples after a change are still being skipped.
+  bool settling() const {
+    return settle_ > 0;
+  }
+  // The decisions so far, oldest first (the last `log_size`).
+  const std::deque<std::string>& log() const {
+    return log_;
+  }
+  int64_t windows() const {
+    return windows_;
+  }
+  int64_t trials() const {
+    return trials_;
+  }
+  // Items per second of the last full window (0 before the first).
+  double last_rate_per_s() const {
+    return last_rate_ * 1e9;
+  }
+  // The memory budget may lower the capacity bound once the item size is
+  // known; the setting follows if it was above.
+  bool set_max_capacity(int64_t max_capacity) {
+    limits_.max_capacity = std::max(max_capacity, limits_.min_capacity);
+    const TunerSetting bounded = clamp(setting_);
+    base_ = clamp(base_);
+    if (bounded == setting_) {
+      return false;
+    }
+    change(
+        bounded,
+        "the memory budget bounds capacity to " +
+            std::to_string(limits_.max_capacity));
+    trial_ = Move::kNone;
+    return true;
+  }
+  const TunerLimits& limits() const {
+    return limits_;
+  }
+
+ private:
+  bool judge(double rate) {
+    const Move move = trial_;
+    trial_ = Move::kNone;
+    ++trials_;
+    const double ratio = base_rate_ > 0 ? rate / base_rate_ : 1.0;
+    const bool keep = move == Move::kFewerThreads
+        ? ratio >= 1.0 - limits_.loss_margin
+        : ratio >= 1.0 + limits_.gain_margin;
+    auto& backoff = backoff_[static_cast<int>(move)];
+    std::ostringstream why;
+    why.precision(3);
+    if (keep) {
+      backoff = 1;
+      why << "window " << windows_ << ": kept " << describe(setting_)
+          << " (rate x" << ratio << " against " << describe(base_) << ")";
+      record(why.str());
+      return false;
+    }
+    backoff = std::min(backoff * 2, limits_.max_backoff);
+    cooldown_[static_cast<int>(move)] = backoff;
+    why << "window " << windows_ << ": back to " << describe(base_)
+        << " (rate x" << ratio << " with " << describe(setting_)
+        << "; tried again in " << backoff << " windows)";
+    change(base_, why.str());
+    return true;
+  }
+
+  bool ready(Move move) const {
+    return cooldown_[static_cast<int>(move)] == 0;
+  }
+
+  void change(TunerSetting next, std::string why) {
+    // What the old setting left buffered or in flight is not the new one's.
+    settle_ = std::max(setting_.capacity, next.capacity) +
+        std::max(setting_.threads, next.threads) + 1;
+    setting_ = next;
+    record(std::move(why));
+  }
+
+  void record(std::string line) {
+    log_.push_back(std::move(line));
+    while (log_.size() > limits_.log_size) {
+      log_.pop_front();
+    }
+  }
+
+  TunerSetting clamp(TunerSetting s) const {
+    s.threads = std::clamp(s.threads, limits_.min_threads, limits_.max_threads);
+    s.capacity =
+        std::clamp(s.capacity, limits_.min_capacity, limits_.max_capacity);
+    return s;
+  }
+
+  static std::string describe(TunerSetting s) {
+    std::ostringstream out;
+    if (s.threads == 0) {
+      out << "no producer thread (the consumer produces)";
+    } else {
+      out << s.threads << " thread" << (s.threads == 1 ? "" : "s");
+    }
+    out << ", capacity " << s.capacity;
+    return out.str();
+  }
+
+  static std::string reason(
+      Move move,
+      double wait,
+      double blocked,
+      double ideal_gain,
+      double wait_fraction) {
+    std::ostringstream out;
+    out.precision(2);
+    switch (move) {
+      case Move::kMoreThreads:
+        out << "the consumer waited " << wait * 100
+            << "% of the time; overlap could gain up to x" << ideal_gain;
+        break;
+      case Move::kMoreCapacity:
+        out << "the consumer waited " << wait * 100
+            << "% of the time while producers were blocked for space "
+            << blocked * 100 << "%: bursty production";
+        break;
+      case Move::kFewerThreads:
+        out << "the consumer waited " << wait * 100 << "% of the time"
+            << (wait > wait_fraction ? " and more threads did not pay" : "")
+            << ": a thread fewer may leave the step more CPU";
+        break;
+      case Move::kNone:
+        break;
+    }
+    return out.str();
+  }
+
+  TunerLimits limits_;
+  TunerSetting setting_;
+  TunerSetting base_;
+  bool started_ = false;
+  TunerSample start_;
+  int64_t settle_ = 0;
+  int64_t windows_ = 0;
+  int64_t trials_ = 0;
+  Move trial_ = Move::kNone;
+  double base_rate_ = 0;
+  double last_rate_ = 0;
+  std::array<int64_t, 3> backoff_{1, 1, 1};
+  std::array<int64_t, 3> cooldown_{0, 0, 0};
+  std::deque<std::string> log_;
+};
+
+} // namespace torch_stage

@@ -1,0 +1,130 @@
+// Tests of AutoTuner (csrc/staging/auto_tuner.h) with synthetic windows:
+// plain C++, also run under ThreadSanitizer and AddressSanitizer.
+#include "staging/auto_tuner.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch_stage {
+namespace {
+
+// Feeds windows of `items` items lasting `ns`, of which the consumer waited
+// `wait` and producers were blocked `blocked` (fractions of the window).
+class Feed {
+ public:
+  explicit Feed(AutoTuner& tuner) : tuner_(tuner) {
+    tuner_.observe(sample_); // the first sample starts the clock
+  }
+
+  // One window; returns whether the setting changed at its end. The
+  // samples skipped after a change come first, one item each, taking no time.
+  bool window(double items_per_ms, double wait, double blocked = 0) {
+    while (tuner_.settling()) {
+      sample_.items += 1;
+      tuner_.observe(sample_);
+    }
+    const int64_t ns = 100'000'000; // 100 ms
+    sample_.now_ns += ns;
+    sample_.items += static_cast<int64_t>(items_per_ms * 100);
+    sample_.wait_ns += static_cast<int64_t>(wait * ns);
+    sample_.blocked_ns += static_cast<int64_t>(blocked * ns);
+    return tuner_.observe(sample_);
+  }
+
+ private:
+  AutoTuner& tuner_;
+  TunerSample sample_;
+};
+
+TunerLimits limits(int64_t min_threads, int64_t max_threads) {
+  TunerLimits l;
+  l.min_threads = min_threads;
+  l.max_threads = max_threads;
+  l.min_capacity = 2;
+  l.max_capacity = 8;
+  l.window_items = 8;
+  l.window_ns = 50'000'000;
+  return l;
+}
+
+TEST(AutoTuner, AWaitingConsumerGetsAThreadThatPays) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  // Inline: the consumer spends half of each step producing.
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_EQ(tuner.setting().threads, 1);
+  // The thread overlaps the two: 1.8x the rate.
+  EXPECT_FALSE(feed.window(1.8, 0.0));
+  EXPECT_EQ(tuner.setting().threads, 1);
+  EXPECT_NE(tuner.log().back().find("kept 1 thread"), std::string::npos)
+      << tuner.log().back();
+}
+
+TEST(AutoTuner, AThreadThatDoesNotPayIsRefusedAndRetriedLessAndLessOften) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  std::vector<int64_t> trials_at;
+  for (int w = 0; w < 60; ++w) {
+    const bool threaded = tuner.setting().threads > 0;
+    // Inline rate 1.0 with half the time producing; with the thread the
+    // consumer is slower (it fights the producer for the GIL).
+    if (feed.window(threaded ? 0.7 : 1.0, 0.5) && tuner.setting().threads > 0) {
+      trials_at.push_back(tuner.windows());
+    }
+  }
+  EXPECT_EQ(tuner.setting().threads, 0);
+  ASSERT_GE(trials_at.size(), 3u);
+  // Back-off doubles: the gaps between trials grow.
+  for (size_t i = 2; i < trials_at.size(); ++i) {
+    EXPECT_GT(
+        trials_at[i] - trials_at[i - 1], trials_at[i - 1] - trials_at[i - 2]);
+  }
+  EXPECT_LE(trials_at.size(), 6u);
+}
+
+TEST(AutoTuner, ANonWaitingConsumerGivesThreadsBackOnTies) {
+  AutoTuner tuner(limits(1, 4), TunerSetting{3, 2});
+  Feed feed(tuner);
+  for (int w = 0; w < 12; ++w) {
+    feed.window(1.0, 0.0);
+  }
+  EXPECT_EQ(tuner.setting().threads, 1); // never below min_threads
+}
+
+TEST(AutoTuner, BurstyProductionGetsCapacityUpToItsBound) {
+  AutoTuner tuner(limits(1, 1), TunerSetting{1, 2});
+  Feed feed(tuner);
+  double rate = 1.0;
+  for (int w = 0; w < 40; ++w) {
+    if (feed.window(rate, 0.2, 0.3)) {
+      rate *= 1.1; // each deeper buffer pays
+    }
+  }
+  EXPECT_EQ(tuner.setting().capacity, 8);
+}
+
+TEST(AutoTuner, TheMemoryBudgetLowersCapacity) {
+  AutoTuner tuner(limits(1, 2), TunerSetting{1, 6});
+  EXPECT_TRUE(tuner.set_max_capacity(3));
+  EXPECT_EQ(tuner.setting().capacity, 3);
+  EXPECT_TRUE(tuner.set_max_capacity(1)); // never below min_capacity (2)
+  EXPECT_EQ(tuner.setting().capacity, 2);
+}
+
+TEST(AutoTuner, ShortWindowsAreNotJudged) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  TunerSample s;
+  tuner.observe(s);
+  s.items = 100;
+  s.now_ns = 1'000'000; // 1 ms: shorter than the 50 ms window
+  s.wait_ns = 900'000;
+  EXPECT_FALSE(tuner.due(s.now_ns, s.items));
+  EXPECT_FALSE(tuner.observe(s));
+  EXPECT_EQ(tuner.windows(), 0);
+}
+
+} // namespace
+} // namespace torch_stage

@@ -884,6 +884,11 @@ BatchParser::BatchParser(
     if (specs_[s].kind == FeatureKind::kBytes) {
       bytes_specs_.push_back(s);
     }
+    compact_.push_back(Compact{
+        static_cast<size_t>(specs_[s].fixed_count),
+        static_cast<size_t>(std::max<int64_t>(var_index_[s], 0)),
+        specs_[s].kind,
+        specs_[s].var_len});
   }
   all_specs_mask_ =
       specs_.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << specs_.size()) - 1;
@@ -998,7 +1003,7 @@ bool BatchParser::scan_fast(
       continue; // not parsed, as in the general walk
     }
     const uint64_t bit = uint64_t{1} << s;
-    const FeatureSpec& spec = specs_[s];
+    const Compact& spec = compact_[s];
     // A key seen twice (the last wins), an empty Feature, another list type
     // or another field: the general walk decides.
     if ((found & bit) != 0 || q == entry_end || *q != list_tag(spec.kind)) {
@@ -1028,7 +1033,7 @@ bool BatchParser::scan_fast(
       payload = q;
     }
     const size_t bytes = static_cast<size_t>(entry_end - payload);
-    const size_t fc = static_cast<size_t>(spec.fixed_count);
+    const size_t fc = spec.fixed_count;
     size_t values = 0;
     if (spec.kind == FeatureKind::kInt64) {
       if (spec.var_len) {
@@ -1064,7 +1069,7 @@ bool BatchParser::scan_fast(
       copy_floats(
           payload, values, reinterpret_cast<float*>(scratch->reserve(bytes)));
     }
-    const size_t cell = i * num_var_ + static_cast<size_t>(var_index_[s]);
+    const size_t cell = i * num_var_ + spec.column;
     // Rounded up so that int64 values after floats stay aligned.
     const size_t used =
         (values *

@@ -336,6 +336,14 @@ class BatchParser {
   std::vector<int64_t> var_index_;
   size_t num_var_ = 0;
   std::vector<size_t> bytes_specs_; // specs of bytes, in spec order
+  // What the fast walk reads of each spec, packed (a FeatureSpec is large).
+  struct Compact {
+    size_t fixed_count;
+    size_t column; // var_index_
+    FeatureKind kind;
+    bool var_len;
+  };
+  std::vector<Compact> compact_;
   uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
   // Per var-length cell, written by scan of that record only: the source,
   // and the counts of values (and bytes, for bytes lists); after count(),

@@ -27,6 +27,9 @@ Pipelines (each yields a dict of batched tensors: fixed-length features as
   ``staged(records, transform=parse)`` with every other argument left at
   its default, where ``parse`` is ``parse_example`` (C++, GIL released,
   decoded straight into batch tensors).
+* ``torch_stage_2t``: the same with ``num_threads=2`` given to ``staged``:
+  two producer threads, each pulling a batch (under the source's lock: a
+  hand-over of the bytes the mixer assembled) and parsing it concurrently.
 * ``torch_stage_inline``: the same RecordInput, ``parse_example`` called in
   the training loop's thread (on torch's intra-op threads), no stage.
 * ``dataloader``: the plain ``torch.utils.data.DataLoader(batch_size=B,
@@ -48,8 +51,8 @@ in its subprocess), must give identical tensors: every fixed feature, and
 every variable-length feature's values and offsets. Any difference stops
 the run with an error naming the feature before anything is timed.
 
-Timing: rounds interleave the pipelines (torch_stage, inline, dataloader,
-tf_data, torch_stage, ...) so that load from other processes on a shared
+Timing: rounds interleave the pipelines (torch_stage, 2t, inline,
+dataloader, tf_data, torch_stage, ...) so that load from other processes on a shared
 machine falls on all alike; each run builds its pipeline afresh, skips
 --warmup batches (start-up, shuffle-pool fill), then counts examples for
 at least --seconds. The median of the rounds is reported, with every run
@@ -57,6 +60,16 @@ in the JSON. Ratios are torch_stage's rate over each pipeline's: the ratio
 of the medians, and the median of the ratios within each round (steadier
 when the machine's load changes between rounds). The JSON also says
 whether torch_stage reached the issue's target of 3,000,000 examples/s.
+
+Where the CPU goes (Linux): for torch_stage's pipelines each run also reads
+every thread's CPU time (/proc/self/task) before and after the timed
+window and reports nanoseconds of CPU per example by phase: ``read``
+(RecordInput's reader threads: file reads, CRC32C, framing), ``shuffle``
+(its mixer thread: the shuffle pool and batch assembly), ``stage`` (the
+stage's producer threads: the pull and the parse), ``consumer`` (the
+loop's own thread; for inline runs, the parse) and ``other`` (torch's
+intra-op threads). Their sum bounds the rate on free cores: 2 cores /
+(total ns per example).
 
 ``--parse-only``: parse_example alone instead, over the first 50 batches
 of the first file held in memory, on one thread (torch.set_num_threads(1)),
@@ -89,7 +102,8 @@ N_DENSE = 13
 N_CAT = 20  # single-valued categorical columns C1..C20
 N_MULTI = 6  # multi-hot categorical columns C21..C26
 MAX_MULTI = 6  # ids per multi-hot feature: 0..6
-PIPELINES = ("torch_stage", "torch_stage_inline", "dataloader", "tf_data")
+PIPELINES = ("torch_stage", "torch_stage_2t", "torch_stage_inline", "dataloader", "tf_data")
+OURS = ("torch_stage", "torch_stage_2t", "torch_stage_inline")
 TARGET = 3_000_000  # examples/s on 2 cores, with defaults but batch size (issue 15)
 
 
@@ -200,7 +214,20 @@ def run_torch_stage(paths, args):
 
     with torch_stage.RecordInput(paths, batch_size=args.batch_size) as records:
         with torch_stage.staged(records, transform=parse) as stage:
-            return measure(stage, args)
+            return measure(stage, args, phases=True)
+
+
+def run_torch_stage_2t(paths, args):
+    import torch_stage
+
+    features = stage_features(args.layout)
+
+    def parse(batch):
+        return torch_stage.parse_example(batch, features)
+
+    with torch_stage.RecordInput(paths, batch_size=args.batch_size) as records:
+        with torch_stage.staged(records, transform=parse, num_threads=2) as stage:
+            return measure(stage, args, phases=True)
 
 
 def run_torch_stage_inline(paths, args):
@@ -208,7 +235,7 @@ def run_torch_stage_inline(paths, args):
 
     features = stage_features(args.layout)
     with torch_stage.RecordInput(paths, batch_size=args.batch_size) as records:
-        return measure((torch_stage.parse_example(b, features) for b in records), args)
+        return measure((torch_stage.parse_example(b, features) for b in records), args, phases=True)
 
 
 def make_per_example_dataset(paths, layout):
@@ -263,12 +290,50 @@ def run_dataloader(paths, args):
     return measure(loader, args)
 
 
-def measure(batches, args):
-    """examples/s over at least args.seconds after args.warmup batches."""
+def thread_cpu():
+    """{tid: (name, CPU seconds)} for this process's threads, or None where
+    /proc/self/task is not there."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def phase_of(tid, name):
+    if tid == os.getpid():
+        return "consumer"
+    if name.startswith("tsrec:read"):
+        return "read"
+    if name.startswith("tsrec:mix"):
+        return "shuffle"
+    if name.startswith("torch_stage"):
+        return "stage"
+    return "other"
+
+
+PHASES = ("read", "shuffle", "stage", "consumer", "other")
+
+
+def measure(batches, args, phases=False):
+    """examples/s over at least args.seconds after args.warmup batches; with
+    phases, the CPU nanoseconds per example of each phase too."""
     it = iter(batches)
     for _ in range(args.warmup):
         next(it)
     seen = 0
+    before = thread_cpu() if phases else None
     start = time.perf_counter()
     while True:
         batch = next(it)
@@ -276,7 +341,14 @@ def measure(batches, args):
         elapsed = time.perf_counter() - start
         if elapsed >= args.seconds:
             break
-    return {"examples": seen, "seconds": round(elapsed, 3), "examples_per_s": seen / elapsed}
+    got = {"examples": seen, "seconds": round(elapsed, 3), "examples_per_s": seen / elapsed}
+    after = thread_cpu() if before is not None else None
+    if after is not None:
+        ns = dict.fromkeys(PHASES, 0.0)
+        for tid, (name, cpu) in after.items():
+            ns[phase_of(tid, name)] += (cpu - before.get(tid, (name, 0.0))[1]) * 1e9 / seen
+        got["cpu_ns_per_example"] = {k: round(v) for k, v in ns.items()}
+    return got
 
 
 # ---------------------------------------------------------------- tf.data
@@ -515,10 +587,22 @@ def table(report):
             f"{'' if ratio is None else f'{ratio:.2f}x':>18}"
             f"{'' if per_round is None else f'{per_round:.2f}x':>14}"
         )
+    for name in OURS:
+        ns = report["results"][name].get("cpu_ns_per_example")
+        if ns:
+            lines.append(
+                f"  {name} CPU ns per example: "
+                + ", ".join(f"{k} {ns[k]}" for k in PHASES)
+                + f"; total {ns['total']} (at most "
+                f"{ns['bound_examples_per_s_on_free_cores']:,} examples/s on "
+                f"{report['machine']['cpus']} free cores)"
+            )
     target, load = report["target"], report["load_average"]
     lines.append(
         f"target {target['torch_stage_examples_per_s']:,} examples/s: "
-        f"{'met' if target['met'] else 'not met'}; load average "
+        f"{'met' if target['met'] else 'not met'} with defaults, "
+        f"{'met' if target['met_with_num_threads_2'] else 'not met'} with num_threads=2; "
+        f"load average "
         f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end"
     )
     return "\n".join(lines)
@@ -570,6 +654,7 @@ def main():
         )
         runs = {
             "torch_stage": lambda: run_torch_stage(paths, args),
+            "torch_stage_2t": lambda: run_torch_stage_2t(paths, args),
             "torch_stage_inline": lambda: run_torch_stage_inline(paths, args),
             "dataloader": lambda: run_dataloader(paths, args),
             "tf_data": lambda: tf_worker.run(args),
@@ -600,6 +685,14 @@ def main():
         else:
             rates = [r["examples_per_s"] for r in runs_of[name]]
             results[name] = {"examples_per_s": statistics.median(rates), "runs": runs_of[name]}
+            phased = [r["cpu_ns_per_example"] for r in runs_of[name] if "cpu_ns_per_example" in r]
+            if phased:
+                ns = {k: round(statistics.median(p[k] for p in phased)) for k in PHASES}
+                ns["total"] = sum(ns[k] for k in PHASES)
+                ns["bound_examples_per_s_on_free_cores"] = round(
+                    os.cpu_count() * 1e9 / max(ns["total"], 1)
+                )
+                results[name]["cpu_ns_per_example"] = ns
     if tf_worker is not None:
         results["tf_data"].update(tensorflow=tf_worker.tensorflow, python=tf_worker.python)
     ours = results["torch_stage"].get("examples_per_s")
@@ -646,6 +739,9 @@ def main():
         "target": {
             "torch_stage_examples_per_s": TARGET,
             "met": bool(ours and ours >= TARGET),
+            "met_with_num_threads_2": bool(
+                results["torch_stage_2t"].get("examples_per_s", 0) >= TARGET
+            ),
         },
         "load_average": {"start": load_start, "end": list(os.getloadavg())},
     }

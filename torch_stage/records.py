@@ -235,6 +235,14 @@ def _bytes_list(value, what: str) -> List[bytes]:
     raise TypeError(f"{what} must be bytes or a list of bytes, got {value!r}")
 
 
+def _cached_spec(feature, key: str):
+    cache = feature.__dict__.setdefault("_spec_cache", {})
+    spec = cache.get(key)
+    if spec is None:
+        spec = cache[key] = feature._spec(key)
+    return spec
+
+
 class FixedLenFeature:
     """A feature with the same number of values in every record, parsed into
     one ``(N, *shape)`` tensor.
@@ -281,6 +289,11 @@ class FixedLenFeature:
     def _spec(self, key: str):
         return (key, self._kind, False, self.shape, self._default)
 
+    def _spec_for(self, key: str):
+        # Built once per key: parse_example runs once per batch, and fresh
+        # tuples and lists each time are garbage-collector work.
+        return _cached_spec(self, key)
+
     def __repr__(self) -> str:
         return (
             f"FixedLenFeature(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -317,6 +330,9 @@ class VarLenFeature:
 
     def _spec(self, key: str):
         return (key, self._kind, True, [], self._default)
+
+    def _spec_for(self, key: str):
+        return _cached_spec(self, key)
 
     def __repr__(self) -> str:
         return f"VarLenFeature(dtype={self.dtype}, default_value={self.default_value!r})"
@@ -384,7 +400,7 @@ def parse_example(
             raise TypeError(
                 f"feature '{key}' must be a FixedLenFeature or VarLenFeature, got {spec!r}"
             )
-        specs.append(spec._spec(key))
+        specs.append(spec._spec_for(key))
     pin = bool(pin_memory) and _accelerator_available()
     parsed = _C._parse_example(_as_records(records), specs, pin)
     out: Dict[str, Union[torch.Tensor, Ragged]] = {}

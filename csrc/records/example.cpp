@@ -1,5 +1,6 @@
 #include "records/example.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -282,39 +283,16 @@ KeyIndex::Order::Order(const KeyIndex& index) : next_(index.size() + 1) {
   previous_ = index.size();
 }
 
-namespace {
-
-// Feature keys are a few bytes: a loop beats a call to memcmp.
-bool same_key(const std::string& want, const uint8_t* key, size_t n) {
-  if (want.size() != n) {
-    return false;
+size_t KeyIndex::find_unguessed(const uint8_t* key, size_t n, Order* order)
+    const {
+  const auto it =
+      map_.find(std::string_view(reinterpret_cast<const char*>(key), n));
+  if (it == map_.end()) {
+    return kNone; // not a key of the parse; the guess stays
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (static_cast<uint8_t>(want[i]) != key[i]) {
-      return false;
-    }
-  }
-  return true;
-}
-
-} // namespace
-
-size_t KeyIndex::find(const uint8_t* key, size_t n, Order* order) const {
-  const size_t guess = order->next_[order->previous_];
-  size_t found = kNone;
-  if (guess < keys_.size() && same_key(keys_[guess], key, n)) {
-    found = guess;
-  } else {
-    const auto it =
-        map_.find(std::string_view(reinterpret_cast<const char*>(key), n));
-    if (it == map_.end()) {
-      return kNone; // not a key of the parse; the guess stays
-    }
-    found = it->second;
-    order->next_[order->previous_] = found;
-  }
-  order->previous_ = found;
-  return found;
+  order->next_[order->previous_] = it->second;
+  order->previous_ = it->second;
+  return it->second;
 }
 
 void find_features(
@@ -690,18 +668,235 @@ std::vector<std::string> keys_of(const std::vector<FeatureSpec>& specs) {
 
 } // namespace
 
+// ------------------------------------------------------------- fast walk
+//
+// Helpers of BatchParser::scan_fast: they never throw and never read
+// outside [p, end); false means "not the usual encoding, or malformed":
+// the general walk decides.
+
+namespace {
+
+constexpr uint64_t kHighBits = 0x8080808080808080ull;
+
+uint64_t load_le64(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, sizeof(w));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  w = __builtin_bswap64(w);
+#endif
+  return w;
+}
+
+// The low 7 bits of each byte of x (whose high bits are clear), packed
+// together: BMI2's pext(x, 0x7f7f...) in three shift-and-mask steps, which
+// every x86-64 and ARM runs fast (pext is microcoded on AMD before Zen 3).
+template <bool kPext>
+inline uint64_t compact7(uint64_t x) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if constexpr (kPext) {
+    // Inline assembly, not _pext_u64: the library is built for baseline
+    // x86-64 and chooses this path at run time (has_fast_pext()).
+    uint64_t r;
+    asm("pextq %2, %1, %0" : "=r"(r) : "r"(x), "r"(~kHighBits));
+    return r;
+  }
+#endif
+  x = ((x & 0x7f007f007f007f00ull) >> 1) | (x & 0x007f007f007f007full);
+  x = ((x & 0x3fff00003fff0000ull) >> 2) | (x & 0x00003fff00003fffull);
+  x = ((x & 0x0fffffff00000000ull) >> 4) | (x & 0x000000000fffffffull);
+  return x;
+}
+
+// One varint at p, which must end by `end`, with the value Cursor::varint
+// gives (up to 10 bytes, bits past 64 dropped). Reads stay below
+// `load_end` (>= end: the end of the record): with 8 bytes there, a varint
+// of up to 8 bytes is decoded from one load (its end is the first byte
+// below 0x80), even when its field ends sooner.
+inline bool fast_varint(
+    const uint8_t*& p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    uint64_t* out) {
+  if (p < end && *p < 0x80) {
+    *out = *p++;
+    return true;
+  }
+  if (load_end - p >= 8) {
+    const uint64_t w = load_le64(p);
+    const uint64_t stops = ~w & kHighBits;
+    if (stops != 0) {
+      const size_t n = (__builtin_ctzll(stops) >> 3) + 1;
+      if (n > static_cast<size_t>(end - p)) {
+        return false; // truncated
+      }
+      *out = compact7<false>(w & (stops ^ (stops - 1)) & ~kHighBits);
+      p += n;
+      return true;
+    }
+  }
+  uint64_t v = 0;
+  for (int k = 0; k < 10; ++k) {
+    if (k >= end - p) {
+      return false; // truncated
+    }
+    const uint8_t b = p[k];
+    v |= static_cast<uint64_t>(b & 0x7f) << (7 * k);
+    if (b < 0x80) {
+      p += k + 1;
+      *out = v;
+      return true;
+    }
+  }
+  return false; // longer than 10 bytes
+}
+
+// A length-delimited field's length, which must end within [p, end).
+inline bool fast_length(
+    const uint8_t*& p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    size_t* n) {
+  uint64_t len = 0;
+  if (!fast_varint(p, end, load_end, &len) ||
+      len > static_cast<uint64_t>(end - p)) {
+    return false;
+  }
+  *n = static_cast<size_t>(len);
+  return true;
+}
+
+// The packed varints [p, end) into out[0:count]: at most `limit` of them
+// (false past it: a fixed-length feature with too many values). Reads
+// stay below `load_end`, as in fast_varint. Eight one-byte values (small
+// counts, labels) are widened from one load.
+template <bool kPext>
+inline bool decode_packed_varints(
+    const uint8_t* p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    int64_t* out,
+    size_t limit,
+    size_t* count) {
+  size_t n = 0;
+  // With 8 bytes of the list left, a varint of up to 8 bytes ends in it.
+  while (end - p >= 8) {
+    const uint64_t w = load_le64(p);
+    const uint64_t stops = ~w & kHighBits;
+    if (stops == kHighBits && limit - n >= 8) {
+      for (int k = 0; k < 8; ++k) {
+        out[n + k] = static_cast<int64_t>((w >> (8 * k)) & 0xff);
+      }
+      n += 8;
+      p += 8;
+      continue;
+    }
+    if (n == limit) {
+      return false;
+    }
+    uint64_t v = 0;
+    if (stops == 0) { // a varint of 9 or 10 bytes (a negative value)
+      if (!fast_varint(p, end, load_end, &v)) {
+        return false;
+      }
+    } else {
+      v = compact7<kPext>(w & (stops ^ (stops - 1)) & ~kHighBits);
+      p += (__builtin_ctzll(stops) >> 3) + 1;
+    }
+    out[n++] = static_cast<int64_t>(v);
+  }
+  while (p < end) {
+    uint64_t v = 0;
+    if (n == limit || !fast_varint(p, end, load_end, &v)) {
+      return false;
+    }
+    out[n++] = static_cast<int64_t>(v);
+  }
+  *count = n;
+  return true;
+}
+
+void copy_floats(const uint8_t* p, size_t n, float* out) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if (n > 0) {
+    std::memcpy(out, p, n * sizeof(float));
+  }
+#else
+  for (size_t k = 0; k < n; ++k) {
+    out[k] = load_float(p + 4 * k);
+  }
+#endif
+}
+
+// The wire tag of a Feature's list of `kind`: field 1..3, length-delimited.
+constexpr uint8_t list_tag(FeatureKind kind) {
+  return static_cast<uint8_t>((static_cast<uint32_t>(kind) << 3) | kLen);
+}
+
+} // namespace
+
+uint8_t* BatchParser::Scratch::reserve(size_t bytes) {
+  constexpr size_t kBlock = 64 * 1024;
+  if (left < bytes) {
+    const size_t size = std::max(bytes, kBlock);
+    blocks.emplace_back(new uint8_t[size]);
+    at = blocks.back().get();
+    left = size;
+  }
+  return at;
+}
+
+bool BatchParser::has_fast_pext() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool fast = __builtin_cpu_supports("bmi2") &&
+      !__builtin_cpu_is("amdfam15h") && !__builtin_cpu_is("amdfam17h");
+  return fast;
+#else
+  return false;
+#endif
+}
+
 BatchParser::BatchParser(
     const std::vector<FeatureSpec>& specs,
-    std::vector<RecordRef> records)
+    std::vector<RecordRef> records,
+    Walk walk)
     : specs_(specs),
       records_(std::move(records)),
       keys_(keys_of(specs)),
+      walk_(walk),
       min_error_record_(std::numeric_limits<size_t>::max()) {
   validate_specs(specs_);
-  const size_t cells = records_.size() * specs_.size();
-  views_.resize(cells);
-  counts_.assign(cells, 0);
-  byte_counts_.assign(cells, 0);
+  if (walk_ == Walk::kAuto) {
+    walk_ = has_fast_pext() ? Walk::kFastPext : Walk::kFastPortable;
+  }
+  if (walk_ == Walk::kFastPext && !has_fast_pext()) {
+    throw RecordError(
+        RecordErrorKind::kInvalidArgument,
+        "BatchParser: Walk::kFastPext needs a CPU with a fast BMI2 pext");
+  }
+  if (specs_.size() > 64) {
+    walk_ = Walk::kGeneral; // the fast walk keeps one bit per spec
+  }
+  var_index_.assign(specs_.size(), -1);
+  for (size_t s = 0; s < specs_.size(); ++s) {
+    if (specs_[s].var_len) {
+      var_index_[s] = static_cast<int64_t>(num_var_++);
+    }
+    if (specs_[s].kind == FeatureKind::kBytes) {
+      bytes_specs_.push_back(s);
+    }
+    compact_.push_back(Compact{
+        static_cast<size_t>(specs_[s].fixed_count),
+        static_cast<size_t>(std::max<int64_t>(var_index_[s], 0)),
+        specs_[s].kind,
+        specs_[s].var_len});
+  }
+  all_specs_mask_ =
+      specs_.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << specs_.size()) - 1;
+  const size_t n = records_.size();
+  const size_t cells = n * num_var_;
+  cells_.reset(new VarCell[cells]);
+  counts_.reset(new int64_t[cells]);
+  byte_counts_.reset(new int64_t[cells]);
   totals_.assign(specs_.size(), 0);
   byte_totals_.assign(specs_.size(), 0);
 }
@@ -728,28 +923,191 @@ void BatchParser::scan(
     size_t end,
     const std::vector<FeatureOutput>& outs) {
   KeyIndex::Order order(keys_);
+  Scratch scratch;
+  std::vector<FeatureView> views(specs_.size());
+  size_t fast = 0;
   for (size_t i = begin; i < end; ++i) {
     // A lower-indexed record already failed: nothing here can be reported.
     if (i > min_error_record_.load(std::memory_order_relaxed)) {
-      return;
+      break;
     }
     try {
-      scan_one(i, outs, &order);
+      fast += scan_one(i, outs, &order, &scratch, views.data()) ? 1 : 0;
     } catch (const RecordError& e) {
       record_error(i, e);
-      return;
+      break;
+    }
+  }
+  fast_records_.fetch_add(fast, std::memory_order_relaxed);
+  if (!scratch.blocks.empty()) {
+    std::lock_guard<std::mutex> lock(scratch_mu_);
+    for (auto& block : scratch.blocks) {
+      scratches_.push_back(std::move(block));
     }
   }
 }
 
-void BatchParser::scan_one(
+template <bool kPext>
+bool BatchParser::scan_fast(
     size_t i,
     const std::vector<FeatureOutput>& outs,
-    KeyIndex::Order* order) {
-  const size_t ns = specs_.size();
-  FeatureView* views = &views_[i * ns];
+    KeyIndex::Order* order,
+    Scratch* scratch,
+    FeatureView* views) {
   const RecordRef& rec = records_[i];
-  const auto index = static_cast<int64_t>(i);
+  const uint8_t* p = rec.data;
+  const uint8_t* const end = rec.data + rec.size;
+  size_t len = 0;
+  // Example: one `features` field (1, length-delimited) that is the record.
+  if (p == end || *p != 0x0a) {
+    return false;
+  }
+  ++p;
+  if (!fast_length(p, end, end, &len) || len != static_cast<size_t>(end - p)) {
+    return false;
+  }
+  uint64_t found = 0;
+  keys_.begin(order);
+  while (p < end) {
+    // A map entry (field 1): key (1) then value (2), nothing else.
+    if (*p != 0x0a) {
+      return false;
+    }
+    ++p;
+    if (!fast_length(p, end, end, &len)) {
+      return false;
+    }
+    const uint8_t* const entry_end = p + len;
+    if (p == entry_end || *p != 0x0a) {
+      return false;
+    }
+    ++p;
+    size_t key_size = 0;
+    if (!fast_length(p, entry_end, end, &key_size)) {
+      return false;
+    }
+    const uint8_t* const key = p;
+    p += key_size;
+    if (p == entry_end || *p != 0x12) {
+      return false;
+    }
+    ++p;
+    if (!fast_length(p, entry_end, end, &len) ||
+        len != static_cast<size_t>(entry_end - p)) {
+      return false;
+    }
+    const uint8_t* q = p; // the Feature
+    p = entry_end;
+    const size_t s = keys_.find(key, key_size, order);
+    if (s == KeyIndex::kNone) {
+      continue; // not parsed, as in the general walk
+    }
+    const uint64_t bit = uint64_t{1} << s;
+    const Compact& spec = compact_[s];
+    // A key seen twice (the last wins), an empty Feature, another list type
+    // or another field: the general walk decides.
+    if ((found & bit) != 0 || q == entry_end || *q != list_tag(spec.kind)) {
+      return false;
+    }
+    found |= bit;
+    ++q;
+    if (!fast_length(q, entry_end, end, &len) ||
+        len != static_cast<size_t>(entry_end - q)) {
+      return false;
+    }
+    if (spec.kind == FeatureKind::kBytes) {
+      views[s] = FeatureView{rec.data, true, spec.kind, q, len};
+      continue; // after the walk, by the general code
+    }
+    // The list: empty, or one packed `value` field (1) that is the list.
+    const uint8_t* payload = entry_end;
+    if (q != entry_end) {
+      if (*q != 0x0a) {
+        return false;
+      }
+      ++q;
+      if (!fast_length(q, entry_end, end, &len) ||
+          len != static_cast<size_t>(entry_end - q)) {
+        return false;
+      }
+      payload = q;
+    }
+    const size_t bytes = static_cast<size_t>(entry_end - payload);
+    const size_t fc = spec.fixed_count;
+    size_t values = 0;
+    if (spec.kind == FeatureKind::kInt64) {
+      if (spec.var_len) {
+        // At most one value per byte.
+        auto* out = reinterpret_cast<int64_t*>(
+            scratch->reserve(bytes * sizeof(int64_t)));
+        if (!decode_packed_varints<kPext>(
+                payload, entry_end, end, out, bytes, &values)) {
+          return false;
+        }
+      } else {
+        auto* out = static_cast<int64_t*>(outs[s].values) + i * fc;
+        if (!decode_packed_varints<kPext>(
+                payload, entry_end, end, out, fc, &values) ||
+            values != fc) {
+          return false;
+        }
+        continue;
+      }
+    } else {
+      if (bytes % 4 != 0) {
+        return false;
+      }
+      values = bytes / 4;
+      if (!spec.var_len) {
+        if (values != fc) {
+          return false;
+        }
+        copy_floats(
+            payload, values, static_cast<float*>(outs[s].values) + i * fc);
+        continue;
+      }
+      copy_floats(
+          payload, values, reinterpret_cast<float*>(scratch->reserve(bytes)));
+    }
+    const size_t cell = i * num_var_ + spec.column;
+    // Rounded up so that int64 values after floats stay aligned.
+    const size_t used =
+        (values *
+             (spec.kind == FeatureKind::kInt64 ? sizeof(int64_t)
+                                               : sizeof(float)) +
+         7) &
+        ~size_t{7};
+    cells_[cell].decoded = scratch->at;
+    cells_[cell].fast = true;
+    counts_[cell] = static_cast<int64_t>(values);
+    byte_counts_[cell] = 0;
+    scratch->at += used;
+    scratch->left -= used;
+  }
+  if (found != all_specs_mask_) {
+    return false; // a default, or the error for a missing key
+  }
+  for (size_t s : bytes_specs_) {
+    finish_feature(i, s, views[s], outs);
+  }
+  return true;
+}
+
+bool BatchParser::scan_one(
+    size_t i,
+    const std::vector<FeatureOutput>& outs,
+    KeyIndex::Order* order,
+    Scratch* scratch,
+    FeatureView* views) {
+  if (walk_ == Walk::kFastPext ? scan_fast<true>(i, outs, order, scratch, views)
+                               : walk_ == Walk::kFastPortable &&
+              scan_fast<false>(i, outs, order, scratch, views)) {
+    return true;
+  }
+  // From the start: what the fast walk wrote is overwritten or unused (a
+  // scratch it filled stays allocated until the parser goes).
+  const size_t ns = specs_.size();
+  const RecordRef& rec = records_[i];
   try {
     find_features(rec.data, rec.size, keys_, order, views);
   } catch (const RecordError& e) {
@@ -759,118 +1117,132 @@ void BatchParser::scan_one(
             " is not a tf.train.Example: " + e.what(),
         "",
         -1,
-        index);
+        static_cast<int64_t>(i));
   }
   for (size_t s = 0; s < ns; ++s) {
-    const FeatureSpec& spec = specs_[s];
-    const FeatureView& view = views[s];
-    if (!view.found) {
-      if (!spec.has_default) {
-        throw RecordError(
-            RecordErrorKind::kMissingFeature,
-            "record " + std::to_string(i) + " has no feature '" + spec.key +
-                "' (expected " + with_article(spec.kind) +
-                "); give the feature a default value to allow that",
-            "",
-            -1,
-            index,
-            spec.key);
-      }
-      if (spec.var_len) {
-        counts_[i * ns + s] = static_cast<int64_t>(
-            spec.kind == FeatureKind::kInt64       ? spec.int64_default.size()
-                : spec.kind == FeatureKind::kFloat ? spec.float_default.size()
-                                                   : spec.bytes_default.size());
-        int64_t nb = 0;
-        for (const auto& b : spec.bytes_default) {
-          nb += static_cast<int64_t>(b.size());
-        }
-        byte_counts_[i * ns + s] = nb;
-        continue;
-      }
-      const size_t fc = static_cast<size_t>(spec.fixed_count);
-      switch (spec.kind) {
-        case FeatureKind::kInt64:
-          std::copy(
-              spec.int64_default.begin(),
-              spec.int64_default.end(),
-              static_cast<int64_t*>(outs[s].values) + i * fc);
-          break;
-        case FeatureKind::kFloat:
-          std::copy(
-              spec.float_default.begin(),
-              spec.float_default.end(),
-              static_cast<float*>(outs[s].values) + i * fc);
-          break;
-        default: {
-          uint8_t* out = static_cast<uint8_t*>(outs[s].values) + i * fc;
-          for (const auto& b : spec.bytes_default) {
-            std::memcpy(out, b.data(), b.size());
-            out += b.size();
-          }
-        }
-      }
-      continue;
-    }
-    if (view.kind != FeatureKind::kNone && view.kind != spec.kind) {
+    finish_feature(i, s, views[s], outs);
+  }
+  return false;
+}
+
+void BatchParser::finish_feature(
+    size_t i,
+    size_t s,
+    const FeatureView& view,
+    const std::vector<FeatureOutput>& outs) {
+  const FeatureSpec& spec = specs_[s];
+  const auto index = static_cast<int64_t>(i);
+  const size_t cell =
+      spec.var_len ? i * num_var_ + static_cast<size_t>(var_index_[s]) : 0;
+  if (spec.var_len) {
+    cells_[cell] =
+        VarCell{view.data, view.size, nullptr, view.kind, view.found, false};
+  }
+  if (!view.found) {
+    if (!spec.has_default) {
       throw RecordError(
-          RecordErrorKind::kWrongType,
-          "feature '" + spec.key + "' of record " + std::to_string(i) + " is " +
-              with_article(view.kind) + ", expected " + with_article(spec.kind),
-          "",
-          -1,
-          index,
-          spec.key);
-    }
-    const size_t fc = static_cast<size_t>(spec.fixed_count);
-    // Fixed-length numbers are validated, counted and decoded in one walk
-    // (never written past their slot; the count is checked below).
-    const bool fixed_numbers =
-        !spec.var_len && spec.kind != FeatureKind::kBytes;
-    ListSize size;
-    try {
-      if (!fixed_numbers) {
-        size = list_size(view);
-      } else if (spec.kind == FeatureKind::kInt64) {
-        size.values = decode_int64_at_most(
-            view, static_cast<int64_t*>(outs[s].values) + i * fc, fc);
-      } else {
-        size.values = decode_float_at_most(
-            view, static_cast<float*>(outs[s].values) + i * fc, fc);
-      }
-    } catch (const RecordError& e) {
-      throw RecordError(
-          RecordErrorKind::kNotExample,
-          "feature '" + spec.key + "' of record " + std::to_string(i) +
-              " is not " + with_article(spec.kind) + ": " + e.what(),
+          RecordErrorKind::kMissingFeature,
+          "record " + std::to_string(i) + " has no feature '" + spec.key +
+              "' (expected " + with_article(spec.kind) +
+              "); give the feature a default value to allow that",
           "",
           -1,
           index,
           spec.key);
     }
     if (spec.var_len) {
-      counts_[i * ns + s] = static_cast<int64_t>(size.values);
-      byte_counts_[i * ns + s] = static_cast<int64_t>(size.bytes);
-      continue;
+      counts_[cell] = static_cast<int64_t>(
+          spec.kind == FeatureKind::kInt64       ? spec.int64_default.size()
+              : spec.kind == FeatureKind::kFloat ? spec.float_default.size()
+                                                 : spec.bytes_default.size());
+      int64_t nb = 0;
+      for (const auto& b : spec.bytes_default) {
+        nb += static_cast<int64_t>(b.size());
+      }
+      byte_counts_[cell] = nb;
+      return;
     }
-    const bool bytes = spec.kind == FeatureKind::kBytes;
-    const int64_t got = static_cast<int64_t>(bytes ? size.bytes : size.values);
-    if (got != spec.fixed_count) {
-      throw RecordError(
-          RecordErrorKind::kWrongSize,
-          "feature '" + spec.key + "' of record " + std::to_string(i) +
-              " holds " + std::to_string(got) + (bytes ? " bytes" : " values") +
-              ", expected exactly " + std::to_string(spec.fixed_count) +
-              " (a fixed-length feature)",
-          "",
-          -1,
-          index,
-          spec.key);
+    const size_t fc = static_cast<size_t>(spec.fixed_count);
+    switch (spec.kind) {
+      case FeatureKind::kInt64:
+        std::copy(
+            spec.int64_default.begin(),
+            spec.int64_default.end(),
+            static_cast<int64_t*>(outs[s].values) + i * fc);
+        break;
+      case FeatureKind::kFloat:
+        std::copy(
+            spec.float_default.begin(),
+            spec.float_default.end(),
+            static_cast<float*>(outs[s].values) + i * fc);
+        break;
+      default: {
+        uint8_t* out = static_cast<uint8_t*>(outs[s].values) + i * fc;
+        for (const auto& b : spec.bytes_default) {
+          std::memcpy(out, b.data(), b.size());
+          out += b.size();
+        }
+      }
     }
+    return;
+  }
+  if (view.kind != FeatureKind::kNone && view.kind != spec.kind) {
+    throw RecordError(
+        RecordErrorKind::kWrongType,
+        "feature '" + spec.key + "' of record " + std::to_string(i) + " is " +
+            with_article(view.kind) + ", expected " + with_article(spec.kind),
+        "",
+        -1,
+        index,
+        spec.key);
+  }
+  const size_t fc = static_cast<size_t>(spec.fixed_count);
+  // Fixed-length numbers are validated, counted and decoded in one walk
+  // (never written past their slot; the count is checked below).
+  const bool fixed_numbers = !spec.var_len && spec.kind != FeatureKind::kBytes;
+  ListSize size;
+  try {
     if (!fixed_numbers) {
-      decode_bytes(
-          view, static_cast<uint8_t*>(outs[s].values) + i * fc, nullptr, 0);
+      size = list_size(view);
+    } else if (spec.kind == FeatureKind::kInt64) {
+      size.values = decode_int64_at_most(
+          view, static_cast<int64_t*>(outs[s].values) + i * fc, fc);
+    } else {
+      size.values = decode_float_at_most(
+          view, static_cast<float*>(outs[s].values) + i * fc, fc);
     }
+  } catch (const RecordError& e) {
+    throw RecordError(
+        RecordErrorKind::kNotExample,
+        "feature '" + spec.key + "' of record " + std::to_string(i) +
+            " is not " + with_article(spec.kind) + ": " + e.what(),
+        "",
+        -1,
+        index,
+        spec.key);
+  }
+  if (spec.var_len) {
+    counts_[cell] = static_cast<int64_t>(size.values);
+    byte_counts_[cell] = static_cast<int64_t>(size.bytes);
+    return;
+  }
+  const bool bytes = spec.kind == FeatureKind::kBytes;
+  const int64_t got = static_cast<int64_t>(bytes ? size.bytes : size.values);
+  if (got != spec.fixed_count) {
+    throw RecordError(
+        RecordErrorKind::kWrongSize,
+        "feature '" + spec.key + "' of record " + std::to_string(i) +
+            " holds " + std::to_string(got) + (bytes ? " bytes" : " values") +
+            ", expected exactly " + std::to_string(spec.fixed_count) +
+            " (a fixed-length feature)",
+        "",
+        -1,
+        index,
+        spec.key);
+  }
+  if (!fixed_numbers) {
+    decode_bytes(
+        view, static_cast<uint8_t*>(outs[s].values) + i * fc, nullptr, 0);
   }
 }
 
@@ -880,13 +1252,15 @@ void BatchParser::count() {
     if (!specs_[s].var_len) {
       continue;
     }
+    const size_t column = static_cast<size_t>(var_index_[s]);
     int64_t total = 0;
     int64_t byte_total = 0;
     for (size_t i = 0; i < records_.size(); ++i) {
-      const int64_t c = counts_[i * ns + s];
-      const int64_t b = byte_counts_[i * ns + s];
-      counts_[i * ns + s] = total; // now the record's first element
-      byte_counts_[i * ns + s] = byte_total;
+      const size_t cell = i * num_var_ + column;
+      const int64_t c = counts_[cell];
+      const int64_t b = byte_counts_[cell];
+      counts_[cell] = total; // now the record's first element
+      byte_counts_[cell] = byte_total;
       total += c;
       byte_total += b;
     }
@@ -937,10 +1311,29 @@ void BatchParser::fill_one(size_t i, const std::vector<FeatureOutput>& outs) {
     if (!spec.var_len) {
       continue;
     }
-    const FeatureView& view = views_[i * ns + s];
-    const int64_t first = counts_[i * ns + s];
-    const int64_t first_byte = byte_counts_[i * ns + s];
+    const size_t cell = i * num_var_ + static_cast<size_t>(var_index_[s]);
+    const VarCell& c = cells_[cell];
+    const int64_t first = counts_[cell];
+    const int64_t first_byte = byte_counts_[cell];
     outs[s].offsets[i] = first;
+    if (c.fast) {
+      // Numbers decoded by the scan: copy them (the next cell's first
+      // element bounds this one's).
+      const size_t elem =
+          spec.kind == FeatureKind::kInt64 ? sizeof(int64_t) : sizeof(float);
+      const int64_t next =
+          i + 1 < records_.size() ? counts_[cell + num_var_] : totals_[s];
+      const auto values = static_cast<size_t>(next - first);
+      if (values > 0) { // (an empty list may have no scratch at all)
+        std::memcpy(
+            static_cast<uint8_t*>(outs[s].values) +
+                static_cast<size_t>(first) * elem,
+            c.decoded,
+            values * elem);
+      }
+      continue;
+    }
+    const FeatureView view{records_[i].data, c.found, c.kind, c.data, c.size};
     switch (spec.kind) {
       case FeatureKind::kInt64: {
         int64_t* out = static_cast<int64_t*>(outs[s].values) + first;

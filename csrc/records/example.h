@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -92,10 +93,27 @@ class KeyIndex {
   void begin(Order* order) const {
     order->previous_ = keys_.size();
   }
-  // The index of the key `key[0:n]`, or kNone.
-  size_t find(const uint8_t* key, size_t n, Order* order) const;
+  // The index of the key `key[0:n]`, or kNone. The guess is checked here,
+  // inline (feature keys are a few bytes: a loop beats a call to memcmp).
+  size_t find(const uint8_t* key, size_t n, Order* order) const {
+    const size_t guess = order->next_[order->previous_];
+    if (guess < keys_.size()) {
+      const std::string& want = keys_[guess];
+      bool same = want.size() == n;
+      for (size_t i = 0; same && i < n; ++i) {
+        same = static_cast<uint8_t>(want[i]) == key[i];
+      }
+      if (same) {
+        order->previous_ = guess;
+        return guess;
+      }
+    }
+    return find_unguessed(key, n, order);
+  }
 
  private:
+  size_t find_unguessed(const uint8_t* key, size_t n, Order* order) const;
+
   // keys_ is never modified after construction: map_'s views point into it.
   const std::vector<std::string> keys_;
   std::unordered_map<std::string_view, size_t> map_;
@@ -215,10 +233,20 @@ struct FeatureOutput {
 // ranges that may run on different threads at once:
 //
 //   scan(b, e, outs)   locate every feature, check types and sizes, decode
-//                      fixed-length features into their slots, count
-//                      var-length ones
+//                      fixed-length features into their slots, decode
+//                      var-length numbers into a scratch buffer of the
+//                      range (bytes: count them)
 //   count()            (one thread, after every scan) prefix sums
-//   fill(b, e, outs)   decode var-length features into place
+//   fill(b, e, outs)   var-length features into place (numbers: a copy
+//                      from the scratch; bytes: decoded from the record)
+//
+// Each record is first tried by a fast walk that accepts only the usual
+// encoding (one `features` field, entries of key then value, each Feature
+// one list, numbers packed, every key of the specs once) and never throws;
+// a record it does not accept, for any reason, is parsed again from the
+// start by the general walk, which gives the same values for every record
+// the fast walk accepts and the errors and the protobuf corner cases
+// (defaults, repeated keys, unpacked values, ...) for the rest.
 //
 // Errors never escape scan/fill: each range stops at its first bad record
 // and the error with the lowest record index is kept, so the error reported
@@ -227,9 +255,18 @@ struct FeatureOutput {
 // concurrently; everything else from one thread between passes.
 class BatchParser {
  public:
+  // Which walks parse: kAuto (the fast walk, with BMI2's pext where the CPU
+  // runs it fast, then the general one) for use; the others for tests that
+  // compare them (kFastPext needs a CPU with BMI2: has_fast_pext()).
+  enum class Walk { kAuto, kGeneral, kFastPortable, kFastPext };
+
   BatchParser(
       const std::vector<FeatureSpec>& specs,
-      std::vector<RecordRef> records);
+      std::vector<RecordRef> records,
+      Walk walk = Walk::kAuto);
+
+  // BMI2 is there and its pext is not microcoded (AMD before Zen 3).
+  static bool has_fast_pext();
 
   size_t num_records() const {
     return records_.size();
@@ -241,26 +278,86 @@ class BatchParser {
   void fill(size_t begin, size_t end, const std::vector<FeatureOutput>& outs);
   // Rethrows the lowest-indexed error recorded so far, if any.
   void check() const;
+  // Records the fast walk parsed so far (the rest took the general walk).
+  size_t fast_records() const {
+    return fast_records_.load(std::memory_order_relaxed);
+  }
 
  private:
-  void scan_one(
+  // Decoded var-length numbers of one scan range, in blocks that never
+  // move once written (cells point into them).
+  struct Scratch {
+    std::vector<std::unique_ptr<uint8_t[]>> blocks;
+    uint8_t* at = nullptr; // the free part of the last block
+    size_t left = 0;
+    // Room for `bytes` more at `at`, in one block.
+    uint8_t* reserve(size_t bytes);
+  };
+  // Where fill() finds a var-length feature of a record. Trivial, so the
+  // per-batch arrays of them are not initialised (scan writes every cell
+  // of a record it finishes; fill runs only when every record finished).
+  struct VarCell {
+    const uint8_t* data; // the list (general walk) or nothing
+    size_t size;
+    const uint8_t* decoded; // the values in a scratch, if `fast`
+    FeatureKind kind;
+    bool found;
+    bool fast; // decoded by the fast walk (else: decode `data` in fill)
+  };
+
+  // true: the fast walk parsed the record.
+  bool scan_one(
       size_t record,
       const std::vector<FeatureOutput>& outs,
-      KeyIndex::Order* order);
+      KeyIndex::Order* order,
+      Scratch* scratch,
+      FeatureView* views);
+  template <bool kPext>
+  bool scan_fast(
+      size_t record,
+      const std::vector<FeatureOutput>& outs,
+      KeyIndex::Order* order,
+      Scratch* scratch,
+      FeatureView* views);
+  void finish_feature(
+      size_t record,
+      size_t spec,
+      const FeatureView& view,
+      const std::vector<FeatureOutput>& outs);
   void fill_one(size_t record, const std::vector<FeatureOutput>& outs);
   void record_error(size_t record, const RecordError& error);
 
   const std::vector<FeatureSpec>& specs_;
   std::vector<RecordRef> records_;
   KeyIndex keys_;
-  // views_[record * specs + spec]; written by scan of that record only.
-  std::vector<FeatureView> views_;
-  // Var-length counts per (record, spec): values, and bytes for bytes lists;
-  // after count(), the exclusive prefix sums. Written per record by scan.
-  std::vector<int64_t> counts_;
-  std::vector<int64_t> byte_counts_;
+  Walk walk_; // kGeneral, kFastPortable or kFastPext
+  // var_index_[spec]: the spec's column among the var-length specs (cell
+  // record * num_var_ + column), or -1 for a fixed-length spec.
+  std::vector<int64_t> var_index_;
+  size_t num_var_ = 0;
+  std::vector<size_t> bytes_specs_; // specs of bytes, in spec order
+  // What the fast walk reads of each spec, packed (a FeatureSpec is large).
+  struct Compact {
+    size_t fixed_count;
+    size_t column; // var_index_
+    FeatureKind kind;
+    bool var_len;
+  };
+  std::vector<Compact> compact_;
+  uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
+  // Per var-length cell, written by scan of that record only: the source,
+  // and the counts of values (and bytes, for bytes lists); after count(),
+  // the exclusive prefix sums.
+  std::unique_ptr<VarCell[]> cells_;
+  std::unique_ptr<int64_t[]> counts_;
+  std::unique_ptr<int64_t[]> byte_counts_;
   std::vector<int64_t> totals_;
   std::vector<int64_t> byte_totals_;
+  std::atomic<size_t> fast_records_{0};
+  std::mutex scratch_mu_;
+  // Guarded by scratch_mu_: every range's scratch, alive until the parser
+  // is destroyed.
+  std::vector<std::unique_ptr<uint8_t[]>> scratches_;
 
   // The lowest record index with an error (SIZE_MAX: none), read without the
   // lock so ranges past it stop early; updated under error_mu_.

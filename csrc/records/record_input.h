@@ -96,7 +96,10 @@ struct RecordInputOptions {
   int64_t shard_world = 1;
   int64_t epochs = -1; // < 0: forever; else >= 1
   int64_t prefetch_batches = 2; // >= 1 finished batches waiting
-  int64_t chunk_records = 64; // >= 1 records per reader->mixer hand-off
+  // >= 1 records per reader->mixer hand-off (at most 256 KiB of them): a
+  // hand-off may wake a thread (a few microseconds of a core), so hundreds
+  // of small records share one.
+  int64_t chunk_records = 512;
   int64_t reader_queue_chunks = 4; // >= 1 chunks queued per reader
 };
 

@@ -73,6 +73,10 @@ class RecordReader {
   // clean end). A reader that threw stays failed: later calls throw kIo
   // ("stopped by an earlier error"), since the framing cannot be resynced.
   bool read(std::string* out);
+  // As read(), but appends the record to *out (a reader's chunk of records
+  // back to back, without a copy through a record buffer). On an error *out
+  // keeps its size from before the call.
+  bool read_append(std::vector<uint8_t>* out);
 
   const std::string& path() const {
     return path_;
@@ -93,6 +97,9 @@ class RecordReader {
       const std::string& what);
   // Reads exactly n bytes unless the stream ends; returns the count read.
   size_t read_fully(void* dst, size_t n);
+  // read()'s work, appending the record's bytes to *out.
+  template <typename Buffer>
+  bool read_into(Buffer* out);
 
   std::string path_;
   std::unique_ptr<InputStream> in_;

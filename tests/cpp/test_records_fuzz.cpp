@@ -244,6 +244,243 @@ TEST(RecordsFuzz, ParserSurvivesMutatedAndRandomExamples) {
   }
 }
 
+// ------------------------------------------ fast walk against general walk
+
+// The parse of `records` by one walk, as text: every output byte, or the
+// error (kind, record, message). Equal texts: equal results.
+std::string parse_with(
+    const std::vector<std::string>& records,
+    const std::vector<FeatureSpec>& specs,
+    BatchParser::Walk walk,
+    size_t threads,
+    size_t* fast_records = nullptr) {
+  std::vector<RecordRef> refs;
+  for (const auto& r : records) {
+    refs.push_back(
+        RecordRef{reinterpret_cast<const uint8_t*>(r.data()), r.size()});
+  }
+  const size_t n = refs.size();
+  BatchParser parser(specs, refs, walk);
+  auto elem = [](const FeatureSpec& s) -> size_t {
+    return s.kind == FeatureKind::kInt64 ? 8
+        : s.kind == FeatureKind::kFloat  ? 4
+                                         : 1;
+  };
+  std::vector<std::vector<uint8_t>> values(specs.size());
+  std::vector<std::vector<int64_t>> offsets(specs.size());
+  std::vector<std::vector<int64_t>> value_offsets(specs.size());
+  std::vector<FeatureOutput> outs(specs.size());
+  for (size_t s = 0; s < specs.size(); ++s) {
+    if (!specs[s].var_len) {
+      values[s].resize(
+          n * static_cast<size_t>(specs[s].fixed_count) * elem(specs[s]));
+      outs[s].values = values[s].data();
+    }
+  }
+  auto run = [&](auto pass) { // disjoint ranges, one after another
+    for (size_t k = 0; k < threads; ++k) {
+      pass(n * k / threads, n * (k + 1) / threads);
+    }
+  };
+  auto error_text = [](const RecordError& e) {
+    return "error " + std::to_string(static_cast<int>(e.kind())) + " record " +
+        std::to_string(e.record_index()) + ": " + e.what();
+  };
+  try {
+    run([&](size_t b, size_t e) { parser.scan(b, e, outs); });
+    parser.check();
+    parser.count();
+    for (size_t s = 0; s < specs.size(); ++s) {
+      if (!specs[s].var_len) {
+        continue;
+      }
+      const bool bytes = specs[s].kind == FeatureKind::kBytes;
+      const auto count = static_cast<size_t>(parser.var_values(s));
+      values[s].resize(
+          bytes ? static_cast<size_t>(parser.var_bytes(s))
+                : count * elem(specs[s]));
+      offsets[s].resize(n + 1);
+      value_offsets[s].resize(bytes ? count + 1 : 0);
+      outs[s] = FeatureOutput{
+          values[s].data(),
+          offsets[s].data(),
+          bytes ? value_offsets[s].data() : nullptr};
+    }
+    run([&](size_t b, size_t e) { parser.fill(b, e, outs); });
+    parser.check();
+  } catch (const RecordError& e) {
+    return error_text(e);
+  }
+  if (fast_records != nullptr) {
+    *fast_records += parser.fast_records();
+  }
+  std::string text;
+  for (size_t s = 0; s < specs.size(); ++s) {
+    text += specs[s].key + ":";
+    text.append(values[s].begin(), values[s].end());
+    for (int64_t o : offsets[s]) {
+      text += " " + std::to_string(o);
+    }
+    for (int64_t o : value_offsets[s]) {
+      text += " " + std::to_string(o);
+    }
+    text += "\n";
+  }
+  return text;
+}
+
+// Examples in the usual encoding of every feature kind, with their corner
+// cases: negative and 10-byte ints, 8 one-byte ints in a row, empty lists,
+// unknown keys, a repeated key, a missing key, unpacked values.
+std::vector<std::string> walk_seeds(std::mt19937_64& rng) {
+  std::vector<std::string> out;
+  for (int k = 0; k < 40; ++k) {
+    ExampleEncoder e;
+    std::vector<int64_t> fixed_ints(9);
+    for (auto& v : fixed_ints) {
+      const int shift = static_cast<int>(rng() % 64);
+      v = static_cast<int64_t>(rng() >> shift) * (rng() % 4 == 0 ? -1 : 1);
+    }
+    if (k % 3 == 0) {
+      for (auto& v : fixed_ints) {
+        v = static_cast<int64_t>(rng() % 128); // one byte each
+      }
+    }
+    std::vector<int64_t> ids(rng() % 7);
+    for (auto& v : ids) {
+      v = static_cast<int64_t>(rng() % (uint64_t{1} << 32));
+    }
+    std::vector<float> floats(rng() % 4);
+    for (auto& f : floats) {
+      f = static_cast<float>(static_cast<int64_t>(rng() % 1000) - 500) / 7.0f;
+    }
+    if (k % 7 == 5) {
+      e.add_int64("unknown", {1, 2, 3});
+    }
+    e.add_int64("i", fixed_ints);
+    e.add_float("f", {0.5f * k, -1.0f});
+    e.add_int64("c", ids);
+    e.add_float("v", floats);
+    e.add_bytes("d", {"ab", std::string(2, static_cast<char>('a' + k % 26))});
+    e.add_bytes(
+        "t", std::vector<std::string>(rng() % 3, std::string(k % 5, 'x')));
+    if (k % 11 == 3) {
+      e.add_int64("c", {7}); // the last entry for a key wins
+    }
+    out.push_back(e.serialize());
+  }
+  ExampleEncoder missing; // no "c"
+  missing.add_int64("i", std::vector<int64_t>(9, 1));
+  missing.add_float("f", {1.0f, 2.0f});
+  missing.add_float("v", {});
+  missing.add_bytes("d", {"abcd"});
+  missing.add_bytes("t", {});
+  out.push_back(missing.serialize());
+  // "c" unpacked: tag 0x08 per value inside the Int64List.
+  std::string list = "\x08\x05\x08\x96\x01";
+  std::string feature =
+      "\x1a" + std::string(1, static_cast<char>(list.size())) + list;
+  std::string entry = std::string("\x0a\x01") + "c" + "\x12" +
+      std::string(1, static_cast<char>(feature.size())) + feature;
+  std::string with_unpacked = out[0].substr(0, out[0].size());
+  // Append the entry inside the features message: re-encode the outer length.
+  {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(out[0].data()) + 1;
+    uint64_t len = 0;
+    int shift = 0;
+    size_t used = 0;
+    while (true) {
+      const uint8_t b = p[used++];
+      len |= static_cast<uint64_t>(b & 0x7f) << shift;
+      shift += 7;
+      if (b < 0x80) {
+        break;
+      }
+    }
+    std::string body = out[0].substr(1 + used, len) + "\x0a" +
+        std::string(1, static_cast<char>(entry.size())) + entry;
+    std::string rebuilt = "\x0a";
+    uint64_t v = body.size();
+    while (v >= 0x80) {
+      rebuilt.push_back(static_cast<char>((v & 0x7f) | 0x80));
+      v >>= 7;
+    }
+    rebuilt.push_back(static_cast<char>(v));
+    out.push_back(rebuilt + body);
+  }
+  return out;
+}
+
+std::vector<FeatureSpec> walk_specs(bool defaults) {
+  std::vector<FeatureSpec> specs(6);
+  specs[0].key = "i";
+  specs[0].kind = FeatureKind::kInt64;
+  specs[0].fixed_count = 9;
+  specs[1].key = "f";
+  specs[1].kind = FeatureKind::kFloat;
+  specs[1].fixed_count = 2;
+  specs[2].key = "c";
+  specs[2].kind = FeatureKind::kInt64;
+  specs[2].var_len = true;
+  specs[3].key = "v";
+  specs[3].kind = FeatureKind::kFloat;
+  specs[3].var_len = true;
+  specs[4].key = "d";
+  specs[4].kind = FeatureKind::kBytes;
+  specs[4].fixed_count = 4;
+  specs[5].key = "t";
+  specs[5].kind = FeatureKind::kBytes;
+  specs[5].var_len = true;
+  if (defaults) {
+    for (auto& s : specs) {
+      s.has_default = true;
+    }
+    specs[0].int64_default = std::vector<int64_t>(9, -3);
+    specs[1].float_default = {1.5f, 2.5f};
+    specs[2].int64_default = {4, 5};
+    specs[3].float_default = {0.25f};
+    specs[4].bytes_default = {"wxyz"};
+    specs[5].bytes_default = {"q", ""};
+  }
+  return specs;
+}
+
+TEST(RecordsFuzz, FastWalkGivesWhatTheGeneralWalkGives) {
+  std::mt19937_64 rng(1515);
+  const std::vector<std::string> seeds = walk_seeds(rng);
+  std::vector<BatchParser::Walk> fast = {BatchParser::Walk::kFastPortable};
+  if (BatchParser::has_fast_pext()) {
+    fast.push_back(BatchParser::Walk::kFastPext);
+  }
+  size_t parsed = 0;
+  size_t fast_records = 0;
+  size_t records = 0;
+  for (int i = 0; i < 4000; ++i) {
+    std::vector<std::string> batch(1 + rng() % 8);
+    for (auto& r : batch) {
+      const std::string& seed = seeds[rng() % seeds.size()];
+      r = rng() % 3 == 0 ? mutate(seed, rng) : seed;
+    }
+    const auto specs = walk_specs(i % 2 == 1);
+    const size_t threads = 1 + rng() % 3;
+    const std::string want =
+        parse_with(batch, specs, BatchParser::Walk::kGeneral, threads);
+    const bool ok = want.rfind("error", 0) != 0;
+    parsed += ok ? 1 : 0;
+    records += ok ? batch.size() : 0;
+    for (auto walk : fast) {
+      ASSERT_EQ(parse_with(batch, specs, walk, threads, &fast_records), want)
+          << "batch " << i << ", walk " << static_cast<int>(walk);
+    }
+  }
+  // Both outcomes are exercised, and both walks: most records of the
+  // batches that parse take the fast walk, some the general one.
+  EXPECT_GT(parsed, 1000u);
+  EXPECT_LT(parsed, 3900u);
+  EXPECT_GT(fast_records, records * fast.size() / 2);
+  EXPECT_LT(fast_records, records * fast.size());
+}
+
 TEST(RecordsFuzz, ReaderSurvivesMutatedAndRandomFiles) {
   const Seeds seeds = load_seeds();
   TempDir dir;

@@ -147,6 +147,7 @@ def methods(dataset, n: int):
 def calibrate(reps: int, hidden: int, steps: int):
     """Data ms per batch and compute ms per step, each alone."""
     n = (steps + 2) * BATCH
+    timed(tud.DataLoader(Images(4 * BATCH, reps), batch_size=BATCH), lambda b: None, 3)  # warm-up
     data = timed(tud.DataLoader(Images(n, reps), batch_size=BATCH), lambda b: None, steps)
     step = Step(hidden)
     batch = next(iter(tud.DataLoader(Images(BATCH, reps), batch_size=BATCH)))
@@ -198,8 +199,8 @@ def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) 
 
 GRID = {
     # name: (augmentation rounds per sample, hidden width)
-    "data-bound": (6, 256),
-    "balanced": (3, 512),
+    "data-bound": (4, 256),
+    "balanced": (2, 512),
     "compute-bound": (1, 1024),
 }
 
@@ -229,7 +230,7 @@ def table(rows) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", nargs="*", default=list(GRID), choices=list(GRID))
     parser.add_argument("--only", nargs="*", default=None, help="methods besides plain_*")

@@ -59,3 +59,27 @@ def test_bad_arguments():
         diagnose({}, steps=1, seconds=0)
     with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
         diagnose({}, steps=1, seconds=1.0, num_threads=0)
+
+
+def test_a_measured_side_by_side_step_bounds_the_best_possible():
+    # D = 4 ms, C = 6 ms, one after the other 10 ms. Independent cores would
+    # allow 6 ms (1.67x); a machine whose two threads slow each other ran
+    # the same work side by side at 9 ms a step: the best possible is 1.11x.
+    stats = {
+        "produced": 100,
+        "consumed": 100,
+        "source_s": 0.4,
+        "consumer_wait_s": 0.01,
+        "producer_blocked_s": 0.3,
+    }
+    d = diagnose(stats, steps=100, seconds=0.95, plain_seconds=1.0, corun_seconds=0.9)
+    assert d.independent_ms == pytest.approx(6.0)
+    assert d.ideal_ms == pytest.approx(9.0)
+    assert d.best_speedup == pytest.approx(10 / 9)
+    text = " ".join(d.sentences())
+    assert "side-by-side step measured on this machine" in text
+    assert "slow each other even with nothing handed over" in text
+    assert "both side by side, nothing handed over" in d.table()
+    # Without the measurement the bound is the independent-cores one.
+    alone = diagnose(stats, steps=100, seconds=0.95, plain_seconds=1.0)
+    assert alone.ideal_ms == pytest.approx(6.0) and "side by side" not in alone.table()

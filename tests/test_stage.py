@@ -908,3 +908,32 @@ def test_autotune_keeps_capacity_within_the_memory_budget(monkeypatch):
     with staged((torch.zeros(1 << 18) for _ in range(50)), num_threads=1) as stage:
         assert sum(1 for _ in stage) == 50
         assert stage.stats()["tuning"]["max_capacity"] == 16
+
+
+def test_no_thread_setting_never_deadlocks_with_a_producer_in_the_source(run_python):
+    # The setting changes after every item, between the consumer making
+    # items itself and producer threads. A producer inside the source holds
+    # the source lock and, after time.sleep, waits for the GIL: the consumer
+    # must not wait for that lock while holding the GIL (its first, quick
+    # attempt at each next() holds it). A deadlock holds the GIL, so it runs
+    # in a process of its own, bounded.
+    proc = run_python(
+        """
+        import time
+        import torch_stage, torch_stage.stage
+
+        torch_stage.stage._TUNE_WINDOW = (1, 0)
+
+        def source():
+            for i in range(3000):
+                time.sleep(0.0002)
+                yield i
+
+        with torch_stage.staged(source(), _min_threads=0) as stage:
+            got = list(stage)
+            assert got == list(range(3000)), got[:20]
+            print("inline", stage.stats()["inline_items"])
+        """,
+        timeout=120,
+    )
+    assert int(proc.stdout.split()[-1]) > 0, proc.stdout  # the setting did change

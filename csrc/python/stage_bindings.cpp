@@ -330,8 +330,13 @@ class PyStage {
           // the first attempt (until = now) does not wait.
           const auto left = std::chrono::ceil<std::chrono::milliseconds>(
               until - Clock::now());
+          // Never makes an item while holding the GIL (the first, quick
+          // attempt): a producer inside the source holds the source lock
+          // and waits for the GIL.
           return stage_->take_for(
-              out, std::max(left, std::chrono::milliseconds(0)));
+              out,
+              std::max(left, std::chrono::milliseconds(0)),
+              /*may_produce=*/PyGILState_Check() == 0);
         });
     span.set_item(out.index);
     span.set_outcome(take_outcome(status, out));

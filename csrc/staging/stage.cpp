@@ -920,7 +920,10 @@ int32_t Stage::take_span_name() const {
   return state_->range_take;
 }
 
-TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
+TakeStatus Stage::take_for(
+    StageItem& out,
+    std::chrono::milliseconds timeout,
+    bool may_produce) {
   State& st = *state_;
   st.start();
   const auto deadline = deadline_after(timeout);
@@ -935,9 +938,11 @@ TakeStatus Stage::take_for(StageItem& out, std::chrono::milliseconds timeout) {
   }
   BufferStatus status;
   while (true) {
-    st.produce_inline();
+    if (may_produce) {
+      st.produce_inline();
+    }
     auto until = deadline;
-    if (st.consumers_produce()) {
+    if (may_produce && st.consumers_produce()) {
       // Nothing may arrive unless this consumer makes it: look again soon.
       until = std::min(until, Clock::now() + std::chrono::milliseconds(2));
     }

@@ -276,8 +276,16 @@ class Stage {
   // take() records a consumer span (trace::Span, `take_span_name()`);
   // take_for() does not, so that a consumer waiting in several slices (the
   // Python binding, to see signals) records one span around them.
+  // `may_produce` false: never make the item on this thread (auto-tuning's
+  // no-thread setting), only wait for one. A caller holding a lock that
+  // producers need (the Python binding's first, GIL-holding attempt) must
+  // pass false: making an item takes the source lock, which a producer may
+  // hold while it waits for that lock.
   TakeStatus take(StageItem& out);
-  TakeStatus take_for(StageItem& out, std::chrono::milliseconds timeout);
+  TakeStatus take_for(
+      StageItem& out,
+      std::chrono::milliseconds timeout,
+      bool may_produce = true);
   int32_t take_span_name() const;
 
   // Stops and joins the producers; idempotent; safe from any thread. A

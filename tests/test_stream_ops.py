@@ -461,3 +461,14 @@ def test_dynamo_over_a_rewritten_module_equals_eager():
     assert torch.equal(compiled(x), module(x))
     assert torch.equal(compiled(x), module(x))
     torch._dynamo.reset()
+
+
+def test_fork_under_torch_export_makes_the_op_run(monkeypatch):
+    # torch.export's non-strict tracing sets torch.compiler's flag (what
+    # torch.compiler.is_compiling() returns); fork then calls the op.
+    assert type(_ops.fork(2, [1], 0, (torch.ones(1),))) is torch_stage._C._StreamRun
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+    assert torch.compiler.is_compiling()
+    run = _ops.fork(2, [1], 0, (torch.ones(1),))
+    assert isinstance(run, torch.ScriptObject)
+    _ops.join(run, [1])

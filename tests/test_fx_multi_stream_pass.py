@@ -257,6 +257,12 @@ def test_a_forward_that_raises_finishes_its_run_and_reports_the_generated_line(c
     assert "mul = a * b" in report
     assert "Call using an FX-traced Module, line" in capsys.readouterr().err
     assert ours.value.__traceback__ is not None and theirs.value.__traceback__ is not None
+    # A one-stream plan's GraphModule (no stream ops) reports alike.
+    one = torch_stage.multi_stream(_FailingBranch(), num_streams=1)
+    assert stream_calls(one) == []
+    with pytest.raises(RuntimeError, match="must match the size"):
+        one(torch.randn(2, 4), torch.randn(3, 4))
+    assert "mul = a * b" in capsys.readouterr().err
 
 
 def test_a_run_forked_before_a_forward_that_raises_is_left_running():

@@ -213,7 +213,7 @@ class MultiStreamPass:
         if raw["fork"]:
             _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
             graph.lint()
-        cls = MultiStreamGraphModule if raw["fork"] else torch.fx.GraphModule
+        cls = MultiStreamGraphModule if raw["fork"] else _GraphModule
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
@@ -251,41 +251,28 @@ def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:
         out.type = None
 
 
-class MultiStreamGraphModule(torch.fx.GraphModule):
-    """The ``GraphModule`` :func:`torch_stage.multi_stream` returns for a
-    plan that forks side streams.
-
-    Its code is the rewritten graph's (TorchScript scripts it as any
-    ``GraphModule``). Called from Python, a forward that raises finishes its
-    stream run before the exception leaves: the caller's stream is current
-    again and waits on the side streams, so an ``except`` block (an OOM
-    retry) runs on the caller's stream. Without this the run would live on
-    in the traceback's frame, and the thread on a side stream, for as long
-    as the exception is kept (csrc/streams/stream_run.h).
-    """
-
-    def recompile(self):
-        code = super().recompile()
-        # recompile() installs __call__ on this instance's own class.
-        cls = type(self)
-        if cls.__call__ is not _finishing_call:
-            cls.__call__ = _finishing_call
-        return code
-
-
 _run_depth = _C._stream_run_depth
 _module_call = torch.nn.Module.__call__
 
 
-def _finishing_call(self, *args, **kwargs):
-    """``MultiStreamGraphModule.__call__``: ``nn.Module.__call__`` that
-    finishes the runs forward forked if it raises.
+def _graph_module_call(self, *args, **kwargs):
+    """``__call__`` of the pass's GraphModules: ``nn.Module.__call__``.
 
     In place of the ``__call__`` ``GraphModule.recompile()`` installs (two
     Python calls more, ~2.5k instructions a forward); what that one adds,
     a report of the failing line of the generated code, is made here on the
     error path (:func:`_report_generated_code`).
     """
+    try:
+        return _module_call(self, *args, **kwargs)
+    except Exception as exc:
+        _report_generated_code(exc)
+        raise
+
+
+def _finishing_call(self, *args, **kwargs):
+    """``MultiStreamGraphModule.__call__``: :func:`_graph_module_call` that
+    also finishes the runs forward forked if it raises."""
     depth = _run_depth()
     try:
         return _module_call(self, *args, **kwargs)
@@ -310,6 +297,38 @@ def _report_generated_code(exc: Exception) -> None:
     if "eval_with_key" in top.filename:
         print(message(top), file=sys.stderr)
         raise exc.with_traceback(None)
+
+
+class _GraphModule(torch.fx.GraphModule):
+    """The ``GraphModule`` the pass returns for a plan with one stream (the
+    traced graph, no stream ops): called through ``nn.Module.__call__``
+    directly (:func:`_graph_module_call`)."""
+
+    _call = staticmethod(_graph_module_call)
+
+    def recompile(self):
+        code = super().recompile()
+        # recompile() installs __call__ on this instance's own class.
+        cls = type(self)
+        if cls.__call__ is not self._call:
+            cls.__call__ = self._call
+        return code
+
+
+class MultiStreamGraphModule(_GraphModule):
+    """The ``GraphModule`` :func:`torch_stage.multi_stream` returns for a
+    plan that forks side streams.
+
+    Its code is the rewritten graph's (TorchScript scripts it as any
+    ``GraphModule``). Called from Python, a forward that raises finishes its
+    stream run before the exception leaves: the caller's stream is current
+    again and waits on the side streams, so an ``except`` block (an OOM
+    retry) runs on the caller's stream. Without this the run would live on
+    in the traceback's frame, and the thread on a side stream, for as long
+    as the exception is kept (csrc/streams/stream_run.h).
+    """
+
+    _call = staticmethod(_finishing_call)
 
 
 class _Rewrite:

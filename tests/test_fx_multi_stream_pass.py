@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from zoo import InPlaceModel, TwoTowerRegression, plain_chain
 
+import torch_stage
 from torch_stage.fx import MultiStreamPass, _ops, trace
 from torch_stage.fx.multi_stream_pass import VERIFY_ENV
 
@@ -219,3 +220,62 @@ def test_arguments_with_non_tensor_defaults_are_not_probed():
     assert [p.name for p in fork.args[3]] == ["x", "y"]
     x = torch.ones(2)
     assert torch.equal(gm(x, x), x.exp() + x.sin())
+
+
+class _FailingBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.a(x) * self.b(y)
+
+
+# Without the sanitizer: its dispatch mode would raise the error from
+# torch/_ops.py rather than the generated code (and it holds the observer).
+@pytest.mark.no_sanitizer
+def test_a_forward_that_raises_finishes_its_run_and_reports_the_generated_line(capsys):
+    rewritten = torch_stage.multi_stream(_FailingBranch(), num_streams=2)
+    plain = MultiStreamPass(num_streams=2).trace(_FailingBranch())
+    assert len(rewritten.stream_plan.streams_used) == 2
+    notes = []
+    torch_stage._C._set_stream_observer(lambda op, owner, *rest: notes.append(op))
+    try:
+        depth = torch_stage._C._stream_run_depth()
+        with pytest.raises(RuntimeError, match="must match the size") as ours:
+            rewritten(torch.randn(2, 4), torch.randn(3, 4))
+        assert torch_stage._C._stream_run_depth() == depth
+    finally:
+        torch_stage._C._set_stream_observer(None)
+    assert notes[0] == "fork" and notes[-1] == "join"
+    report = capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="must match the size") as theirs:
+        plain(torch.randn(2, 4), torch.randn(3, 4))
+    # What a plain GraphModule says of an error in its generated code.
+    assert "Call using an FX-traced Module, line" in report
+    assert "mul = a * b" in report
+    assert "Call using an FX-traced Module, line" in capsys.readouterr().err
+    assert ours.value.__traceback__ is not None and theirs.value.__traceback__ is not None
+    # A one-stream plan's GraphModule (no stream ops) reports alike.
+    one = torch_stage.multi_stream(_FailingBranch(), num_streams=1)
+    assert stream_calls(one) == []
+    with pytest.raises(RuntimeError, match="must match the size"):
+        one(torch.randn(2, 4), torch.randn(3, 4))
+    assert "mul = a * b" in capsys.readouterr().err
+
+
+def test_a_run_forked_before_a_forward_that_raises_is_left_running():
+    # The forward finishes the runs it forked, not its caller's (an outer
+    # forward that catches the error goes on with its own run).
+    inner = torch_stage.multi_stream(_FailingBranch(), num_streams=2)
+    x = torch.randn(2, 4)
+    run = _ops.fork(2, [1], 1, (x,))
+    _ops.sync(run, -1, 1, [], (x,))
+    depth = torch_stage._C._stream_run_depth()
+    with pytest.raises(RuntimeError, match="must match the size"):
+        inner(x, torch.randn(3, 4))
+    assert torch_stage._C._stream_run_depth() == depth
+    _ops.record_event(run, 0, 1)
+    _ops.sync(run, -1, 0, [0], None)
+    _ops.join(run, [1])

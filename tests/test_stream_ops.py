@@ -346,3 +346,129 @@ def test_an_abandoned_cuda_run_restores_the_callers_stream():
         pass
     # Handled: the failed frame, and with it the run, is gone.
     assert torch.cuda.current_stream() == before
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+def test_the_emitted_targets_are_c_functions_named_as_their_ops():
+    # fork, sync, record_event and join run on every forward: C functions,
+    # named and documented as the Python functions they replace, which FX
+    # codegen, pickle and inspect find under torch_stage.fx._ops.
+    import inspect
+    import pickle
+    import types
+
+    for f, params in [
+        (_ops.fork, ["num_streams", "side_streams", "num_events", "probes"]),
+        (_ops.sync, ["run", "record", "stream", "waits", "keep"]),
+        (_ops.record_event, ["run", "event", "stream"]),
+        (_ops.join, ["run", "side_streams"]),
+    ]:
+        assert isinstance(f, types.BuiltinFunctionType)
+        assert (f.__module__, f.__qualname__) == ("torch_stage.fx._ops", f.__name__)
+        assert list(inspect.signature(f).parameters) == params
+        assert pickle.loads(pickle.dumps(f)) is f
+        assert torch.jit._builtins._find_builtin(f) == f"torch_stage::{f.__name__}"
+    rewritten = torch_stage.multi_stream(_TwoBranches(), num_streams=2)
+    x = torch.randn(2, 4)
+    copy = pickle.loads(pickle.dumps(rewritten))
+    assert torch.equal(copy(x), rewritten(x))
+
+
+def test_the_c_functions_check_their_arguments():
+    run = _ops.fork(2, [1], 1, (torch.ones(1),))
+    assert type(run) is torch_stage._C._StreamRun
+    with pytest.raises(TypeError, match="sync: record must be an int, got float"):
+        _ops.sync(run, 1.5, 1, [], None)
+    with pytest.raises(TypeError, match="sync: waits must be a list of ints, got tuple"):
+        _ops.sync(run, -1, 1, (0,), None)
+    with pytest.raises(TypeError, match="sync: waits must be an int, got str"):
+        _ops.sync(run, -1, 1, ["0"], None)
+    with pytest.raises(ValueError, match="stream 2 is outside the pool of 2 streams"):
+        _ops.sync(run, -1, 2, [], None)
+    with pytest.raises(TypeError, match="fork: side_streams must be a list of ints, got int"):
+        _ops.fork(2, 1, 1, (torch.ones(1),))
+    with pytest.raises(ValueError, match="side stream 3 is outside 1..1"):
+        _ops.fork(2, [3], 1, (torch.ones(1),))
+    with pytest.raises(RuntimeError, match="waits on event 0, which has not been recorded"):
+        _ops.sync(run, -1, 1, [0], None)
+    with pytest.raises(TypeError, match="record_event: event must be an int, got NoneType"):
+        _ops.record_event(run, None, 1)
+    with pytest.raises(TypeError, match="the stream run holds no run"):
+        _ops.join(torch_stage._C._StreamRun.__new__(torch_stage._C._StreamRun), [])
+    _ops.join(run, [1])
+    with pytest.raises(RuntimeError, match="already joined"):
+        _ops.join(run, [])
+
+
+def test_calls_the_c_functions_do_not_take_go_through_the_ops():
+    # Keywords, a ScriptObject run: the Python functions, so the op, as before.
+    run = _ops.fork(num_streams=2, side_streams=[1], num_events=1, probes=(torch.ones(1),))
+    assert type(run) is torch_stage._C._StreamRun
+    _ops.sync(run, record=-1, stream=1, waits=[], keep=None)
+    _ops.record_event(run, event=0, stream=1)
+    _ops.join(run=run, side_streams=[1])
+    script_run = ops.fork(2, [1], 1, (torch.ones(1),))
+    _ops.sync(script_run, -1, 1, [], (torch.ones(1),))
+    _ops.record_event(script_run, 0, 1)
+    _ops.sync(script_run, -1, 0, [0], None)
+    _ops.join(script_run, [1])
+    with pytest.raises(RuntimeError, match="already joined"):
+        ops.set_stream(script_run, 0)
+
+
+def test_a_torch_function_mode_sees_every_stream_op_of_a_forward():
+    # A mode active while forward runs is an override the C functions defer
+    # to: fork makes the op's run, and every stream op reaches the mode.
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("torch_stage."):
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    module = _TwoBranches()
+    rewritten = torch_stage.multi_stream(module, num_streams=2)
+    x = torch.randn(2, 4)
+    with Record():
+        got = rewritten(x)
+    assert torch.equal(got, module(x))
+    assert seen == [
+        "torch_stage.fork",
+        "torch_stage.sync",
+        "torch_stage.sync",
+        "torch_stage.join",
+    ]
+
+
+def test_dynamo_over_a_rewritten_module_equals_eager():
+    torch._dynamo.reset()
+    module = _TwoBranches()
+    rewritten = torch_stage.multi_stream(module, num_streams=2)
+    x = torch.randn(2, 4)
+    compiled = torch.compile(rewritten, backend="eager")
+    assert torch.equal(compiled(x), module(x))
+    assert torch.equal(compiled(x), module(x))
+    torch._dynamo.reset()
+
+
+def test_fork_under_torch_export_makes_the_op_run(monkeypatch):
+    # torch.export's non-strict tracing sets torch.compiler's flag (what
+    # torch.compiler.is_compiling() returns); fork then calls the op.
+    assert type(_ops.fork(2, [1], 0, (torch.ones(1),))) is torch_stage._C._StreamRun
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True, raising=False)
+    assert torch.compiler.is_compiling()
+    run = _ops.fork(2, [1], 0, (torch.ones(1),))
+    assert isinstance(run, torch.ScriptObject)
+    _ops.join(run, [1])

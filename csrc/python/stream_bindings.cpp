@@ -15,9 +15,12 @@
 // the JIT tracer runs cost ~0.6 us per call. Anything that must see the op
 // itself (a tracer, a tensor subclass) gets the run as a ScriptObject from
 // script_object(). TorchScript always calls the registered ops.
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/record_function.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -40,16 +43,12 @@ using Run = c10::intrusive_ptr<StreamRun>;
 // non-CPU tensor, depth first), without converting them to IValues.
 std::optional<c10::Device> device_of(py::handle obj) {
   PyObject* p = obj.ptr();
-  if (THPVariable_Check(p)) {
-    const at::Tensor& t = THPVariable_Unpack(p);
-    if (t.defined() && t.device().type() != c10::DeviceType::CPU) {
-      return t.device();
-    }
-    return std::nullopt;
-  }
+  // Containers first: THPVariable_Check of anything but a tensor is an
+  // isinstance call (~0.8k instructions).
   if (PyTuple_Check(p) || PyList_Check(p)) {
-    for (py::handle item : obj) {
-      if (auto d = device_of(item)) {
+    const Py_ssize_t size = PySequence_Fast_GET_SIZE(p);
+    for (Py_ssize_t i = 0; i < size; ++i) {
+      if (auto d = device_of(PySequence_Fast_GET_ITEM(p, i))) {
         return d;
       }
     }
@@ -58,6 +57,11 @@ std::optional<c10::Device> device_of(py::handle obj) {
       if (auto d = device_of(item.second)) {
         return d;
       }
+    }
+  } else if (THPVariable_Check(p)) {
+    const at::Tensor& t = THPVariable_Unpack(p);
+    if (t.defined() && t.device().type() != c10::DeviceType::CPU) {
+      return t.device();
     }
   }
   return std::nullopt;
@@ -70,7 +74,9 @@ std::optional<c10::Device> device_of(py::handle obj) {
 // containers as tuples.
 c10::IValue any_value(py::handle value) {
   PyObject* p = value.ptr();
-  if (THPVariable_Check(p)) {
+  if (THPVariable_CheckExact(p) ||
+      (!PyTuple_Check(p) && !PyList_Check(p) && !PyDict_Check(p) &&
+       THPVariable_Check(p))) {
     return c10::IValue(THPVariable_Unpack(p));
   }
   std::vector<c10::IValue> items;
@@ -90,6 +96,325 @@ c10::IValue any_value(py::handle value) {
   }
   return c10::ivalue::Tuple::create(std::move(items));
 }
+
+// The node targets of rewritten graphs: fork, sync, record_event and join
+// as C functions (METH_FASTCALL), the same objects in the graph, in its
+// generated code, in TorchScript's builtin table and in FX's side-effect
+// set (torch_stage/fx/_ops.py). A Python function in between cost ~1.3k
+// instructions a call, pybind11's dispatcher ~2-3k more, and fork's
+// torch.compiler.is_compiling() 1.3k: together most of what a rewritten
+// forward adds to a plain GraphModule (benchmarks/host_instructions.py).
+// Each function does what the _StreamRun method of the same name does,
+// and hands every call it does not take to its Python fallback, which
+// calls the registered op: a run that is not a _StreamRun (a ScriptObject
+// under Dynamo, a Proxy while FX traces), an argument with
+// __torch_function__ (a tensor subclass, a Proxy, a TorchFunctionMode), fork
+// under the JIT tracer or torch.compile/export (torch.compiler's
+// _is_compiling_flag), and any call not shaped as the pass emits it
+// (keywords, another number of arguments).
+struct FastOps {
+  PyTypeObject* run_type = nullptr; // torch_stage._C._StreamRun
+  PyObject* has_torch_function = nullptr; // torch._C._has_torch_function
+  PyObject* compiler = nullptr; // the torch.compiler module's __dict__
+  PyObject* compiling_flag = nullptr; // "_is_compiling_flag"
+  PyObject* is_compiling = nullptr; // torch.compiler.is_compiling
+  PyObject* fallback[4] = {}; // fork, sync, record_event, join
+};
+
+enum FastOp { kFork = 0, kSync = 1, kRecordEvent = 2, kJoin = 3 };
+
+// Set once by _stream_fast_ops and never released: the functions it returns
+// are module attributes that live as long as the interpreter.
+FastOps* fast_ops = nullptr;
+
+PyObject* fall_back(
+    FastOp op,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  return PyObject_Vectorcall(fast_ops->fallback[op], args, nargsf, kwnames);
+}
+
+// 1 when `obj` (or, for a tuple or list, an item of it) overrides
+// __torch_function__ or a TorchFunctionMode is active, 0 if not, -1 on error.
+int has_torch_function(PyObject* obj) {
+  // Without a mode, a plain tensor (or a tuple or list of them and None)
+  // has none: decided here, as torch does, without a call (~0.4k
+  // instructions). Anything else asks torch.
+  if (!at::impl::torch_function_mode_enabled()) {
+    if (THPVariable_CheckExact(obj)) {
+      return 0;
+    }
+    if (PyTuple_CheckExact(obj) || PyList_CheckExact(obj)) {
+      const Py_ssize_t size = PySequence_Fast_GET_SIZE(obj);
+      PyObject** items = PySequence_Fast_ITEMS(obj);
+      Py_ssize_t plain = 0;
+      while (
+          plain < size &&
+          (items[plain] == Py_None || THPVariable_CheckExact(items[plain]))) {
+        ++plain;
+      }
+      if (plain == size) {
+        return 0;
+      }
+    }
+  }
+  PyObject* r = PyObject_CallOneArg(fast_ops->has_torch_function, obj);
+  if (r == nullptr) {
+    return -1;
+  }
+  const int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+// torch.compiler.is_compiling() without a Python call where the flag it
+// returns is a module global (torch 2.5 and newer), read from the module's
+// dict (a module getattr costs ~0.6k instructions); 1, 0 or -1 on error.
+int compiling() {
+  PyObject* flag =
+      PyDict_GetItemWithError(fast_ops->compiler, fast_ops->compiling_flag);
+  if (flag != nullptr) {
+    return PyObject_IsTrue(flag); // borrowed
+  }
+  if (PyErr_Occurred()) {
+    return -1;
+  }
+  PyObject* called = PyObject_CallNoArgs(fast_ops->is_compiling);
+  if (called == nullptr) {
+    return -1;
+  }
+  const int t = PyObject_IsTrue(called);
+  Py_DECREF(called);
+  return t;
+}
+
+// The StreamRun of a _StreamRun (exact type checked by the caller), or
+// nullptr with a TypeError for an instance whose constructor never ran.
+StreamRun* run_of(PyObject* obj, const char* op) {
+  auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(
+      nullptr, false);
+  if (!v_h || !v_h.holder_constructed() || v_h.value_ptr() == nullptr) {
+    PyErr_Format(
+        PyExc_TypeError,
+        "torch_stage.%s: the stream run holds no run (make runs with fork)",
+        op);
+    return nullptr;
+  }
+  return v_h.value_ptr<StreamRun>();
+}
+
+bool read_int(PyObject* obj, const char* op, const char* name, int64_t* out) {
+  if (!PyLong_Check(obj)) {
+    PyErr_Format(
+        PyExc_TypeError,
+        "torch_stage.%s: %s must be an int, got %s",
+        op,
+        name,
+        Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  *out = PyLong_AsLongLong(obj);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+template <typename Ints>
+bool read_ints(PyObject* obj, const char* op, const char* name, Ints* out) {
+  if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+    PyErr_Format(
+        PyExc_TypeError,
+        "torch_stage.%s: %s must be a list of ints, got %s",
+        op,
+        name,
+        Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  const Py_ssize_t size = PySequence_Fast_GET_SIZE(obj);
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    int64_t v = 0;
+    if (!read_int(items[i], op, name, &v)) {
+      return false;
+    }
+    out->push_back(v);
+  }
+  return true;
+}
+
+PyObject* fast_fork(
+    PyObject* /*self*/,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 4 ||
+      torch::jit::tracer::isTracing()) {
+    return fall_back(kFork, args, nargsf, kwnames);
+  }
+  const int is_compiling = compiling();
+  const int overridden = is_compiling == 0 ? has_torch_function(args[3]) : 0;
+  if (is_compiling < 0 || overridden < 0) {
+    return nullptr;
+  }
+  if (is_compiling || overridden) {
+    return fall_back(kFork, args, nargsf, kwnames);
+  }
+  int64_t num_streams = 0;
+  int64_t num_events = 0;
+  std::vector<int64_t> side_streams;
+  if (!read_int(args[0], "fork", "num_streams", &num_streams) ||
+      !read_ints(args[1], "fork", "side_streams", &side_streams) ||
+      !read_int(args[2], "fork", "num_events", &num_events)) {
+    return nullptr;
+  }
+  RECORD_FUNCTION("torch_stage::fork", std::vector<c10::IValue>());
+  return py::cast(
+             c10::make_intrusive<StreamRun>(
+                 device_of(args[3]), num_streams, side_streams, num_events))
+      .release()
+      .ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* fast_sync(
+    PyObject* /*self*/,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 5 ||
+      Py_TYPE(args[0]) != fast_ops->run_type) {
+    return fall_back(kSync, args, nargsf, kwnames);
+  }
+  PyObject* keep = args[4];
+  if (keep != Py_None) {
+    const int overridden = has_torch_function(keep);
+    if (overridden < 0) {
+      return nullptr;
+    }
+    if (overridden) {
+      return fall_back(kSync, args, nargsf, kwnames);
+    }
+  }
+  StreamRun* run = run_of(args[0], "sync");
+  int64_t record = 0;
+  int64_t stream = 0;
+  c10::SmallVector<int64_t, 8> waits;
+  if (run == nullptr || !read_int(args[1], "sync", "record", &record) ||
+      !read_int(args[2], "sync", "stream", &stream)) {
+    return nullptr;
+  }
+  if (!PyList_Check(args[3])) {
+    // As _StreamRun.sync: the pass passes a list.
+    PyErr_Format(
+        PyExc_TypeError,
+        "torch_stage.sync: waits must be a list of ints, got %s",
+        Py_TYPE(args[3])->tp_name);
+    return nullptr;
+  }
+  if (!read_ints(args[3], "sync", "waits", &waits)) {
+    return nullptr;
+  }
+  RECORD_FUNCTION("torch_stage::sync", std::vector<c10::IValue>());
+  // An inactive run marks nothing; only an observer would see the value.
+  const bool keeps =
+      keep != Py_None && (run->is_active() || stream_observer_active());
+  run->sync(record, stream, waits, keeps ? any_value(keep) : c10::IValue());
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* fast_record_event(
+    PyObject* /*self*/,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 3 ||
+      Py_TYPE(args[0]) != fast_ops->run_type) {
+    return fall_back(kRecordEvent, args, nargsf, kwnames);
+  }
+  StreamRun* run = run_of(args[0], "record_event");
+  int64_t event = 0;
+  int64_t stream = 0;
+  if (run == nullptr || !read_int(args[1], "record_event", "event", &event) ||
+      !read_int(args[2], "record_event", "stream", &stream)) {
+    return nullptr;
+  }
+  RECORD_FUNCTION("torch_stage::record_event", std::vector<c10::IValue>());
+  run->record_event(event, stream);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* fast_join(
+    PyObject* /*self*/,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 2 ||
+      Py_TYPE(args[0]) != fast_ops->run_type) {
+    return fall_back(kJoin, args, nargsf, kwnames);
+  }
+  StreamRun* run = run_of(args[0], "join");
+  std::vector<int64_t> side_streams;
+  if (run == nullptr ||
+      !read_ints(args[1], "join", "side_streams", &side_streams)) {
+    return nullptr;
+  }
+  RECORD_FUNCTION("torch_stage::join", std::vector<c10::IValue>());
+  run->join(side_streams);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* fast_run_depth(PyObject* /*self*/, PyObject* /*unused*/) {
+  return PyLong_FromLongLong(StreamRun::thread_run_depth());
+}
+
+// Static: a C function keeps a pointer to its PyMethodDef. The docstrings'
+// first lines are the signatures inspect.signature reads.
+PyMethodDef fast_op_defs[] = {
+    {"fork",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_fork)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "fork(num_streams, side_streams, num_events, probes)\n--\n\n"
+     "Start a stream run: the side streams wait for the current stream\n"
+     "(torch.ops.torch_stage.fork); probes (forward's inputs, or a\n"
+     "parameter for modules whose inputs hold no tensor) give the device.\n"
+     "Eagerly a torch_stage._C._StreamRun; the op's ScriptObject while\n"
+     "tracing or compiling, or for tensor subclasses."},
+    {"sync",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_sync)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "sync(run, record, stream, waits, keep)\n--\n\n"
+     "What the pass puts between two nodes, in one call\n"
+     "(torch.ops.torch_stage.sync): the current stream records event\n"
+     "record (if >= 0), pool stream stream becomes current and waits on\n"
+     "each of waits, and the tensors in keep (unless None) are marked\n"
+     "used on it."},
+    {"record_event",
+     reinterpret_cast<PyCFunction>(
+         reinterpret_cast<void (*)()>(fast_record_event)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "record_event(run, event, stream)\n--\n\n"
+     "Pool stream stream records event event\n"
+     "(torch.ops.torch_stage.record_event)."},
+    {"join",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_join)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "join(run, side_streams)\n--\n\n"
+     "Join the side streams into stream 0 (torch.ops.torch_stage.join)."},
+};
+
+PyMethodDef run_depth_def[] = {
+    {"_stream_run_depth",
+     fast_run_depth,
+     METH_NOARGS,
+     "Runs forked on the calling thread and not finished (an abort depth)."},
+    {nullptr, nullptr, 0, nullptr},
+};
 
 } // namespace
 
@@ -221,7 +546,60 @@ void init_streams(py::module_& m) {
         set_stream_observer(std::move(call));
       },
       py::arg("observer"));
-  m.def("_stream_run_depth", &StreamRun::thread_run_depth);
+  // Raw: the multi-stream module calls it on every forward.
+  if (PyModule_AddFunctions(m.ptr(), run_depth_def) != 0) {
+    throw py::error_already_set();
+  }
+  m.def(
+      "_stream_fast_ops",
+      [](const std::string& module,
+         py::object has_torch_function,
+         py::object compiler,
+         py::object fork,
+         py::object sync,
+         py::object record_event,
+         py::object join) {
+        if (fast_ops != nullptr) {
+          throw py::value_error(
+              "torch_stage._C._stream_fast_ops: already made (once per "
+              "process, by torch_stage.fx._ops)");
+        }
+        auto* ops = new FastOps();
+        ops->run_type = reinterpret_cast<PyTypeObject*>(
+            py::type::of<StreamRun>().release().ptr());
+        ops->has_torch_function = has_torch_function.release().ptr();
+        ops->is_compiling =
+            py::object(compiler.attr("is_compiling")).release().ptr();
+        ops->compiler = py::object(compiler.attr("__dict__")).release().ptr();
+        ops->compiling_flag = py::str("_is_compiling_flag").release().ptr();
+        PyObject* fallbacks[] = {
+            fork.release().ptr(),
+            sync.release().ptr(),
+            record_event.release().ptr(),
+            join.release().ptr()};
+        std::copy(std::begin(fallbacks), std::end(fallbacks), ops->fallback);
+        fast_ops = ops;
+        py::str module_name(module);
+        py::list functions;
+        for (auto& def : fast_op_defs) {
+          PyObject* f = PyCFunction_NewEx(&def, nullptr, module_name.ptr());
+          if (f == nullptr) {
+            throw py::error_already_set();
+          }
+          functions.append(py::reinterpret_steal<py::object>(f));
+        }
+        return py::tuple(functions);
+      },
+      py::arg("module"),
+      py::arg("has_torch_function"),
+      py::arg("compiler"),
+      py::arg("fork"),
+      py::arg("sync"),
+      py::arg("record_event"),
+      py::arg("join"),
+      "The C functions fork, sync, record_event and join of "
+      "torch_stage.fx._ops (module: their __module__), each falling back to "
+      "the given Python function (see csrc/python/stream_bindings.cpp).");
   // CUDAGraphModule's capture stream as (stream_id, device_index,
   // device_type), the arguments of torch.cuda.Stream.
   m.def(

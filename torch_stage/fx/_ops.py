@@ -40,18 +40,25 @@ _ns = torch.ops.torch_stage
 
 # The ops that take the run are called through these functions, which the
 # pass uses as node targets. Eagerly, fork returns the run as a
-# torch_stage._C._StreamRun and the functions call its methods: torch.ops
-# looks up __torch_function__ on every argument, and on a ScriptObject that
+# torch_stage._C._StreamRun, whose methods skip torch.ops: torch.ops looks
+# up __torch_function__ on every argument, and on a ScriptObject that
 # lookup raises and catches a C++ exception inside ScriptObject.__getattr__,
 # ~20 us per call against well under 1 us here
 # (csrc/python/stream_bindings.cpp). The type of the run is the whole test:
-# fork makes a _StreamRun only when neither Dynamo nor torch.jit.trace runs
-# and no input is a tensor subclass, so everything that must see the ops
-# (those, FX tracers, which pass Proxies) gets a ScriptObject from fork and
-# calls torch.ops.torch_stage.*. TorchScript compiles each function as its
-# op (registered as a builtin below), so scripted modules hold the ops
-# themselves.
+# fork makes a _StreamRun only when neither Dynamo, torch.export nor
+# torch.jit.trace runs and no input has __torch_function__, so everything
+# that must see the ops (those, FX tracers, which pass Proxies) gets a
+# ScriptObject from fork and calls torch.ops.torch_stage.*. TorchScript
+# compiles each function as its op (registered as a builtin below), so
+# scripted modules hold the ops themselves.
+#
+# fork, sync, record_event and join, the targets the pass emits on every
+# forward, are C functions (made by _C._stream_fast_ops) that take the
+# eager path themselves and hand every other call to the Python function
+# of the same name below, the op path: a Python function in between cost
+# more host time than the stream work of a forward (see there).
 _Run = _C._StreamRun
+_has_torch_function = torch._C._has_torch_function
 
 
 def _op_run(run: Any) -> Any:
@@ -59,19 +66,38 @@ def _op_run(run: Any) -> Any:
     return run.script_object() if type(run) is _Run else run
 
 
-def fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
-    """Start a stream run: the side streams wait for the current stream
-    (``torch.ops.torch_stage.fork``); ``probes`` (forward's inputs, or a
-    parameter for modules whose inputs hold no tensor) give the device.
-    Eagerly a ``torch_stage._C._StreamRun``; the op (a ScriptObject) while
-    tracing or for tensor subclasses."""
+def _fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
+    # Eagerly (the C fork takes those calls itself but for keywords).
     if (
         not torch.compiler.is_compiling()
         and torch._C._get_tracing_state() is None
-        and not torch._C._has_torch_function(probes)
+        and not _has_torch_function(probes)
     ):
         return _C._stream_fork(num_streams, side_streams, num_events, probes)
     return _ns.fork(num_streams, side_streams, num_events, probes)
+
+
+def _sync(run: Any, record: int, stream: int, waits: List[int], keep: Any) -> None:
+    if type(run) is _Run and (keep is None or not _has_torch_function(keep)):
+        return run.sync(record, stream, waits, keep)
+    return _ns.sync(_op_run(run), record, stream, waits, keep)
+
+
+def _record_event(run: Any, event: int, stream: int) -> None:
+    if type(run) is _Run:
+        return run.record_event(event, stream)
+    return _ns.record_event(run, event, stream)
+
+
+def _join(run: Any, side_streams: List[int]) -> None:
+    if type(run) is _Run:
+        return run.join(side_streams)
+    return _ns.join(run, side_streams)
+
+
+fork, sync, record_event, join = _C._stream_fast_ops(
+    __name__, _has_torch_function, torch.compiler, _fork, _sync, _record_event, _join
+)
 
 
 def set_stream(run: Any, stream: int) -> None:
@@ -79,13 +105,6 @@ def set_stream(run: Any, stream: int) -> None:
     if type(run) is _Run:
         return run.set_stream(stream)
     return _ns.set_stream(run, stream)
-
-
-def record_event(run: Any, event: int, stream: int) -> None:
-    """Pool stream ``stream`` records ``event`` (``torch.ops.torch_stage.record_event``)."""
-    if type(run) is _Run:
-        return run.record_event(event, stream)
-    return _ns.record_event(run, event, stream)
 
 
 def wait_event(run: Any, event: int, stream: int) -> None:
@@ -105,24 +124,6 @@ def record_stream(run: Any, value: Any, stream: int) -> None:
     if type(run) is _Run and not _subclass(value):
         return run.record_stream(value, stream)
     return _ns.record_stream(_op_run(run), value, stream)
-
-
-def sync(run: Any, record: int, stream: int, waits: List[int], keep: Any) -> None:
-    """What the pass puts between two nodes, in one call
-    (``torch.ops.torch_stage.sync``): the current stream records event
-    ``record`` (if ``>= 0``), pool stream ``stream`` becomes current and
-    waits on each of ``waits``, and the tensors in ``keep`` (unless None)
-    are marked used on it."""
-    if type(run) is _Run and (keep is None or not torch._C._has_torch_function(keep)):
-        return run.sync(record, stream, waits, keep)
-    return _ns.sync(_op_run(run), record, stream, waits, keep)
-
-
-def join(run: Any, side_streams: List[int]) -> None:
-    """Join the side streams into stream 0 (``torch.ops.torch_stage.join``)."""
-    if type(run) is _Run:
-        return run.join(side_streams)
-    return _ns.join(run, side_streams)
 
 
 _FUNCTIONS = (fork, set_stream, record_event, wait_event, record_stream, sync, join)

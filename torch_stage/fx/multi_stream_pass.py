@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -211,7 +213,7 @@ class MultiStreamPass:
         if raw["fork"]:
             _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
             graph.lint()
-        cls = MultiStreamGraphModule if raw["fork"] else torch.fx.GraphModule
+        cls = MultiStreamGraphModule if raw["fork"] else _GraphModule
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
@@ -249,7 +251,71 @@ def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:
         out.type = None
 
 
-class MultiStreamGraphModule(torch.fx.GraphModule):
+_run_depth = _C._stream_run_depth
+_module_call = torch.nn.Module.__call__
+
+
+def _graph_module_call(self, *args, **kwargs):
+    """``__call__`` of the pass's GraphModules: ``nn.Module.__call__``.
+
+    In place of the ``__call__`` ``GraphModule.recompile()`` installs (two
+    Python calls more, ~2.5k instructions a forward); what that one adds,
+    a report of the failing line of the generated code, is made here on the
+    error path (:func:`_report_generated_code`).
+    """
+    try:
+        return _module_call(self, *args, **kwargs)
+    except Exception as exc:
+        _report_generated_code(exc)
+        raise
+
+
+def _finishing_call(self, *args, **kwargs):
+    """``MultiStreamGraphModule.__call__``: :func:`_graph_module_call` that
+    also finishes the runs forward forked if it raises."""
+    depth = _run_depth()
+    try:
+        return _module_call(self, *args, **kwargs)
+    except BaseException as exc:
+        _C._stream_abort_runs(depth)
+        if isinstance(exc, Exception):
+            _report_generated_code(exc)
+        raise
+
+
+def _report_generated_code(exc: Exception) -> None:
+    """What ``torch.fx.graph_module._WrappedCall`` does with an exception
+    raised in a GraphModule's generated code: print the failing line in
+    its context to stderr and raise the exception without its traceback.
+    (Without that private helper, on a torch that lacks it, the exception
+    goes on unchanged.)"""
+    wrapped_call = getattr(torch.fx.graph_module, "_WrappedCall", None)
+    message = getattr(wrapped_call, "_generate_error_message", None)
+    if message is None or exc.__traceback__ is None:
+        return
+    top = traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__))[-1]
+    if "eval_with_key" in top.filename:
+        print(message(top), file=sys.stderr)
+        raise exc.with_traceback(None)
+
+
+class _GraphModule(torch.fx.GraphModule):
+    """The ``GraphModule`` the pass returns for a plan with one stream (the
+    traced graph, no stream ops): called through ``nn.Module.__call__``
+    directly (:func:`_graph_module_call`)."""
+
+    _call = staticmethod(_graph_module_call)
+
+    def recompile(self):
+        code = super().recompile()
+        # recompile() installs __call__ on this instance's own class.
+        cls = type(self)
+        if cls.__call__ is not self._call:
+            cls.__call__ = self._call
+        return code
+
+
+class MultiStreamGraphModule(_GraphModule):
     """The ``GraphModule`` :func:`torch_stage.multi_stream` returns for a
     plan that forks side streams.
 
@@ -262,24 +328,7 @@ class MultiStreamGraphModule(torch.fx.GraphModule):
     as the exception is kept (csrc/streams/stream_run.h).
     """
 
-    def recompile(self):
-        code = super().recompile()
-        # recompile() installs __call__ on this instance's own class.
-        cls = type(self)
-        call = cls.__call__
-        if not getattr(call, "_torch_stage_finishes_runs", False):
-
-            def __call__(self, *args, **kwargs):
-                depth = _C._stream_run_depth()
-                try:
-                    return call(self, *args, **kwargs)
-                except BaseException:
-                    _C._stream_abort_runs(depth)
-                    raise
-
-            __call__._torch_stage_finishes_runs = True
-            cls.__call__ = __call__
-        return code
+    _call = staticmethod(_finishing_call)
 
 
 class _Rewrite:

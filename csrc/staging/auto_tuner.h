@@ -34,10 +34,11 @@
 // A trial is kept when its rate beats the baseline by `gain_margin` (more
 // threads or capacity) or stays within `loss_margin` of it (fewer threads:
 // the cheaper setting wins ties); otherwise the setting goes back and that
-// move waits twice as many windows as last time before it is tried again
+// move waits four times as many windows as last time before it is tried again
 // (up to `max_backoff`), so a rejected move costs a vanishing share of the
-// run. After any change the first items (what the old setting left in the
-// buffer or in flight) are not measured.
+// run; a trial whose rate after half a window is already 15% below the
+// baseline ends there. After any change the first items (what the old setting
+// left in the buffer or in flight) are not measured.
 //
 // Threads
 // -------
@@ -104,6 +105,10 @@ class AutoTuner {
     if (!started_ || settle_ > 0) {
       return true;
     }
+    if (trial_ != Move::kNone) { // a trial may end at half a window
+      return 2 * (items - start_.items) >= limits_.window_items &&
+          2 * (now_ns - start_.now_ns) >= limits_.window_ns;
+    }
     return items - start_.items >= limits_.window_items &&
         now_ns - start_.now_ns >= limits_.window_ns;
   }
@@ -123,6 +128,16 @@ class AutoTuner {
     }
     const int64_t items = s.items - start_.items;
     const int64_t ns = s.now_ns - start_.now_ns;
+    if (trial_ != Move::kNone && ns > 0 && 2 * items >= limits_.window_items &&
+        2 * ns >= limits_.window_ns &&
+        static_cast<double>(items) / ns <
+            base_rate_ * (1.0 - 5 * limits_.loss_margin)) {
+      // Half a window already says the trial is far worse: end it there.
+      start_ = s;
+      ++windows_;
+      last_rate_ = static_cast<double>(items) / ns;
+      return judge(last_rate_);
+    }
     if (items < limits_.window_items || ns < limits_.window_ns || ns <= 0) {
       return false;
     }
@@ -276,7 +291,7 @@ class AutoTuner {
       record(why.str());
       return false;
     }
-    backoff = std::min(backoff * 2, limits_.max_backoff);
+    backoff = std::min(backoff * 4, limits_.max_backoff);
     cooldown_[static_cast<int>(move)] = backoff;
     why << "window " << windows_ << ": back to " << describe(base_)
         << " (rate x" << ratio << " with " << describe(setting_)
@@ -291,8 +306,12 @@ class AutoTuner {
 
   void change(TunerSetting next, std::string why) {
     // What the old setting left buffered or in flight is not the new one's.
-    settle_ = std::max(setting_.capacity, next.capacity) +
-        std::max(setting_.threads, next.threads) + 1;
+    // From no thread nothing is (the consumer made every item itself): one
+    // item lets the new thread start.
+    settle_ = setting_.threads == 0
+        ? 1
+        : std::max(setting_.capacity, next.capacity) +
+            std::max(setting_.threads, next.threads) + 1;
     setting_ = next;
     record(std::move(why));
   }

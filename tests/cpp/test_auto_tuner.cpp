@@ -21,14 +21,18 @@ class Feed {
 
   // One window; returns whether the setting changed at its end. The
   // samples skipped after a change come first, one item each, taking no time.
-  bool window(double items_per_ms, double wait, double blocked = 0) {
+  bool window(
+      double items_per_ms,
+      double wait,
+      double blocked = 0,
+      int64_t ms = 100) {
     while (tuner_.settling()) {
       sample_.items += 1;
       tuner_.observe(sample_);
     }
-    const int64_t ns = 100'000'000; // 100 ms
+    const int64_t ns = ms * 1'000'000;
     sample_.now_ns += ns;
-    sample_.items += static_cast<int64_t>(items_per_ms * 100);
+    sample_.items += static_cast<int64_t>(items_per_ms * ms);
     sample_.wait_ns += static_cast<int64_t>(wait * ns);
     sample_.blocked_ns += static_cast<int64_t>(blocked * ns);
     return tuner_.observe(sample_);
@@ -67,7 +71,7 @@ TEST(AutoTuner, AThreadThatDoesNotPayIsRefusedAndRetriedLessAndLessOften) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
   std::vector<int64_t> trials_at;
-  for (int w = 0; w < 60; ++w) {
+  for (int w = 0; w < 100; ++w) {
     const bool threaded = tuner.setting().threads > 0;
     // Inline rate 1.0 with half the time producing; with the thread the
     // consumer is slower (it fights the producer for the GIL).
@@ -77,12 +81,31 @@ TEST(AutoTuner, AThreadThatDoesNotPayIsRefusedAndRetriedLessAndLessOften) {
   }
   EXPECT_EQ(tuner.setting().threads, 0);
   ASSERT_GE(trials_at.size(), 3u);
-  // Back-off doubles: the gaps between trials grow.
+  // Back-off grows four-fold: the gaps between trials grow.
   for (size_t i = 2; i < trials_at.size(); ++i) {
     EXPECT_GT(
         trials_at[i] - trials_at[i - 1], trials_at[i - 1] - trials_at[i - 2]);
   }
   EXPECT_LE(trials_at.size(), 6u);
+}
+
+TEST(AutoTuner, AFarWorseTrialEndsAtHalfAWindow) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  ASSERT_EQ(tuner.setting().threads, 1);
+  // 30 ms (over half the 50 ms window) at half the rate: judged already.
+  EXPECT_TRUE(feed.window(0.5, 0.2, 0, /*ms=*/30));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  // A trial only a little worse is judged on its whole window.
+  AutoTuner patient(limits(0, 4), TunerSetting{0, 2});
+  Feed slow(patient);
+  ASSERT_TRUE(slow.window(1.0, 0.5));
+  EXPECT_FALSE(slow.window(0.95, 0.2, 0, /*ms=*/30));
+  EXPECT_EQ(patient.setting().threads, 1);
+  EXPECT_TRUE(
+      slow.window(0.95, 0.2, 0, /*ms=*/30)); // the whole window: refused
+  EXPECT_EQ(patient.setting().threads, 0);
 }
 
 TEST(AutoTuner, ANonWaitingConsumerGivesThreadsBackOnTies) {

@@ -189,6 +189,7 @@ def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) 
         "compute_ms": round(compute_ms, 3),
         "step_ms": {k: round(statistics.median(v), 3) for k, v in runs.items()},
         "speed_vs_plain": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+        "speed_vs_plain_per_round": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
         "tuning": {
             k: {key: s.get(key) for key in ("threads", "capacity", "tuning") if key in s}
             for k, s in stats.items()

@@ -213,9 +213,18 @@ def draw_overlap(d: _diagnose.Diagnosis, path: str):
             ],
         ),
         (
-            f"best possible: max(D/{d.num_threads}, C)",
-            [(d.ideal_ms, "#999999", "max(D/threads, C)")],
+            f"on independent cores: max(D/{d.num_threads}, C)",
+            [(d.independent_ms, "#999999", "max(D/threads, C)")],
         ),
+    ]
+    if d.corun_step_ms is not None:
+        rows.append(
+            (
+                "side by side, nothing handed over (measured)",
+                [(d.corun_step_ms, "#CC79A7", "the machine's bound")],
+            )
+        )
+    rows += [
         (
             "torch_stage (measured)",
             [
@@ -678,6 +687,7 @@ def _diagnosis(trace, demo) -> Optional[_diagnose.Diagnosis]:
             seconds=demo["torch_stage_s"],
             num_threads=demo.get("num_threads", 1),
             plain_seconds=demo["plain_loop_s"],
+            corun_seconds=demo.get("side_by_side_s"),
         )
     if trace is not None and trace.stage_names():
         stats = trace.stage_stats(_first_stage(trace))

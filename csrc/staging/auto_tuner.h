@@ -36,7 +36,9 @@
 // the cheaper setting wins ties); otherwise the setting goes back and that
 // move waits four times as many windows as last time before it is tried again
 // (up to `max_backoff`), so a rejected move costs a vanishing share of the
-// run; a trial whose rate after half a window is already 15% below the
+// run; a kept move makes its reverse wait the same way, so that two
+// settings within the noise of each other do not take turns; a trial whose
+// rate after half a window is already 15% below the
 // baseline ends there. After any change the first items (what the old setting
 // left in the buffer or in flight) are not measured.
 //
@@ -285,7 +287,18 @@ class AutoTuner {
     std::ostringstream why;
     why.precision(3);
     if (keep) {
-      backoff = 1;
+      // (Its own back-off is not reset: a move kept and refused in turns is
+      // noise, and waits longer each time.) The way back waits, longer each
+      // time it comes to this: two settings within the noise of each other
+      // would otherwise take turns, each change costing its settling items.
+      const Move back = move == Move::kMoreThreads ? Move::kFewerThreads
+          : move == Move::kFewerThreads            ? Move::kMoreThreads
+                                                   : Move::kNone;
+      if (back != Move::kNone) {
+        auto& back_off = backoff_[static_cast<int>(back)];
+        back_off = std::min(back_off * 4, limits_.max_backoff);
+        cooldown_[static_cast<int>(back)] = back_off;
+      }
       why << "window " << windows_ << ": kept " << describe(setting_)
           << " (rate x" << ratio << " against " << describe(base_) << ")";
       record(why.str());

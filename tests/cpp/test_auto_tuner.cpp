@@ -108,6 +108,28 @@ TEST(AutoTuner, AFarWorseTrialEndsAtHalfAWindow) {
   EXPECT_EQ(patient.setting().threads, 0);
 }
 
+TEST(AutoTuner, TwoSettingsAlikeDoNotTakeTurns) {
+  // With 2 threads the consumer never waits, with 1 it waits 30%; the rates
+  // are alike, but noise makes every trial window measure 6% faster than
+  // the one before it: each change looks worth keeping.
+  AutoTuner tuner(limits(1, 2), TunerSetting{1, 2});
+  Feed feed(tuner);
+  int changes = 0;
+  bool trial = false;
+  double rate = 1.0;
+  for (int w = 0; w < 100; ++w) {
+    const double measured = trial ? rate * 1.06 : rate;
+    const bool changed =
+        feed.window(measured, tuner.setting().threads == 2 ? 0.0 : 0.3);
+    if (trial && !changed) {
+      rate = measured; // kept: the new baseline
+    }
+    trial = changed && !trial; // a change after a trial is its revert
+    changes += changed ? 1 : 0;
+  }
+  EXPECT_LE(changes, 8) << "settings taking turns";
+}
+
 TEST(AutoTuner, ANonWaitingConsumerGivesThreadsBackOnTies) {
   AutoTuner tuner(limits(1, 4), TunerSetting{3, 2});
   Feed feed(tuner);

@@ -65,6 +65,31 @@ TEST(BoundedBuffer, RejectsZeroCapacityNamingTheValue) {
   }
 }
 
+TEST(BoundedBuffer, GrowingCapacityWakesBlockedProducersShrinkingKeepsItems) {
+  BoundedBuffer<int> buffer(1);
+  ASSERT_EQ(buffer.put(0), BufferStatus::kOk);
+  auto first = async([&] { return buffer.put(1); });
+  auto second = async([&] { return buffer.put(2); });
+  EXPECT_FALSE(finishes(first, 50ms)); // full: both wait for room
+  EXPECT_FALSE(finishes(second, 1ms));
+  buffer.set_capacity(3); // room for both blocked producers
+  ASSERT_TRUE(finishes(first));
+  ASSERT_TRUE(finishes(second));
+  EXPECT_EQ(first.get(), BufferStatus::kOk);
+  EXPECT_EQ(second.get(), BufferStatus::kOk);
+  EXPECT_EQ(buffer.size(), 3u);
+  buffer.set_capacity(1); // below what is held: nothing is lost...
+  EXPECT_EQ(buffer.size(), 3u);
+  int item = -1;
+  EXPECT_EQ(
+      buffer.try_put_for(item, 0ms), BufferStatus::kTimeout); // ...no room
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(buffer.take(item), BufferStatus::kOk);
+  }
+  EXPECT_EQ(buffer.try_put_for(item, 0ms), BufferStatus::kOk);
+  EXPECT_THROW(buffer.set_capacity(0), std::invalid_argument);
+}
+
 TEST(BoundedBuffer, DeliversInFifoOrder) {
   BoundedBuffer<int> buffer(4);
   EXPECT_EQ(buffer.capacity(), 4u);

@@ -80,6 +80,10 @@ def test_a_measured_side_by_side_step_bounds_the_best_possible():
     assert "side-by-side step measured on this machine" in text
     assert "slow each other even with nothing handed over" in text
     assert "both side by side, nothing handed over" in d.table()
+    # Side by side slower than one after the other (a loaded machine): the
+    # best possible is no overlap at all, 1.0x, never below.
+    loaded = diagnose(stats, steps=100, seconds=0.95, plain_seconds=1.0, corun_seconds=1.3)
+    assert loaded.ideal_ms == pytest.approx(10.0) and loaded.best_speedup == pytest.approx(1.0)
     # Without the measurement the bound is the independent-cores one.
     alone = diagnose(stats, steps=100, seconds=0.95, plain_seconds=1.0)
     assert alone.ideal_ms == pytest.approx(6.0) and "side by side" not in alone.table()

@@ -56,9 +56,10 @@ class Diagnosis:
     @property
     def ideal_ms(self) -> float:
         """The best a step can cost with overlap on this machine: the
-        measured side-by-side step when known (never below max(D/threads, C))."""
+        measured side-by-side step when known (never below max(D/threads, C),
+        and never above the step without overlap, which is always possible)."""
         if self.corun_step_ms is not None:
-            return max(self.independent_ms, self.corun_step_ms)
+            return min(max(self.independent_ms, self.corun_step_ms), self.sequential_ms)
         return self.independent_ms
 
     @property

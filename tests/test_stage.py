@@ -937,3 +937,11 @@ def test_no_thread_setting_never_deadlocks_with_a_producer_in_the_source(run_pyt
         timeout=120,
     )
     assert int(proc.stdout.split()[-1]) > 0, proc.stdout  # the setting did change
+
+
+def test_autotune_makes_at_most_eight_threads(monkeypatch):
+    monkeypatch.setattr(torch_stage.stage, "_usable_cores", lambda: 64)
+    with staged(range(5)) as stage:
+        assert list(stage) == list(range(5))
+        text = stage.describe()
+    assert "producer 7:" in text and "producer 8:" not in text, text

@@ -373,7 +373,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         num_threads: staging threads; the loader is read by one at a time,
             ``transform`` and the copies run on all. None (default):
             auto-tuned, from none (batches made in the training loop's
-            ``next()``, as by the plain DataLoader) up to the usable cores.
+            ``next()``, as by the plain DataLoader) up to the usable cores
+            (at most 8).
         autotune: choose what ``capacity`` and ``num_threads`` leave as None
             at run time from the training loop's measured rate (see
             ``torch_stage.staged``); ``stats()["tuning"]`` says what it

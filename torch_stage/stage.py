@@ -514,7 +514,7 @@ def staged(
         num_threads: producer threads (>= 1); the source is read by one at a
             time, the transform and the copy run on all at once. None
             (default): chosen by auto-tuning between 1 and the cores this
-            process may use; 1 without it.
+            process may use (at most 8); 1 without it.
         autotune: choose what ``capacity`` and ``num_threads`` leave as
             None while the stage runs (tf.data's AUTOTUNE, measured instead
             of modelled): windows of items are timed at the consumer, and a
@@ -649,6 +649,9 @@ def staged(
 # Auto-tuning's bounds: capacity from 2 up to 16 items and a memory budget
 # of 1/16 of the machine's memory, at most 2 GiB, over the first item's size.
 _AUTO_CAPACITY = (2, 16)
+# At most this many producer threads, however many cores: each exists (parked
+# when unused) for the stage's life, and stages chain.
+_AUTO_MAX_THREADS = 8
 _BUDGET_FRACTION = 16
 _BUDGET_MAX = 2 << 30
 # The tuner's window: at least this many items and nanoseconds (tests make
@@ -676,7 +679,7 @@ def _tuning(capacity, num_threads, autotune: bool, min_threads: int) -> dict:
     tune_threads = autotune and num_threads is None
     tune_capacity = autotune and capacity is None
     if tune_threads:
-        threads = max(_usable_cores(), min_threads, 1)
+        threads = max(min(_usable_cores(), _AUTO_MAX_THREADS), min_threads, 1)
         initial = min_threads
     else:
         threads = initial = 1 if num_threads is None else num_threads

@@ -155,6 +155,15 @@ def calibrate(reps: int, hidden: int, steps: int):
     return data, compute
 
 
+def baseline(key: str):
+    """What a method is compared with: ours with N workers against the plain
+    DataLoader with N, staged() and torchdata against the plain one with 2
+    workers, the plain ones against nothing."""
+    if key.startswith("ours"):
+        return f"plain_w{key[-1]}"
+    return None if key.startswith("plain") else "plain_w2"
+
+
 def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) -> dict:
     n = (steps + 2) * BATCH
     dataset = Images(n, reps)
@@ -176,11 +185,7 @@ def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) 
                 stats[key] = loader.stats()
             runs[key].append(this[key])
         for key in makers:
-            base = (
-                f"plain_w{key[-1]}"
-                if key.startswith("ours")
-                else ("plain_w2" if not key.startswith("plain") else None)
-            )
+            base = baseline(key)
             if base is not None:
                 ratios.setdefault(key, []).append(this[base] / this[key])
     row = {

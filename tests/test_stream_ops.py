@@ -169,16 +169,7 @@ def test_sync_refuses_waits_that_are_not_a_list():
 
 
 def test_fx_retracing_a_rewritten_module_records_the_ops():
-    class Two(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(4, 4)
-            self.b = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.a(x) * self.b(x)
-
-    rewritten = torch_stage.multi_stream(Two(), num_streams=2)
+    rewritten = torch_stage.multi_stream(_TwoBranches(), num_streams=2)
     ours = [n.target.__name__ for n in rewritten.graph.nodes if n.target in _ops._FUNCTIONS]
     assert ours == ["fork", "sync", "sync", "join"]
     retraced = torch.fx.symbolic_trace(rewritten)

@@ -135,6 +135,18 @@ PyObject* fall_back(
   return PyObject_Vectorcall(fast_ops->fallback[op], args, nargsf, kwnames);
 }
 
+// Whether a call on a run is one its C function takes itself: `nargs`
+// positional arguments, no keywords, a _StreamRun first. Any other goes to
+// the Python function (fall_back).
+bool takes_run_call(
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames,
+    Py_ssize_t nargs) {
+  return kwnames == nullptr && PyVectorcall_NARGS(nargsf) == nargs &&
+      Py_TYPE(args[0]) == fast_ops->run_type;
+}
+
 // 1 when `obj` (or, for a tuple or list, an item of it) overrides
 // __torch_function__ or a TorchFunctionMode is active, 0 if not, -1 on error.
 int has_torch_function(PyObject* obj) {
@@ -282,8 +294,7 @@ PyObject* fast_sync(
     size_t nargsf,
     PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 5 ||
-      Py_TYPE(args[0]) != fast_ops->run_type) {
+  if (!takes_run_call(args, nargsf, kwnames, 5)) {
     return fall_back(kSync, args, nargsf, kwnames);
   }
   PyObject* keep = args[4];
@@ -330,8 +341,7 @@ PyObject* fast_record_event(
     size_t nargsf,
     PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 3 ||
-      Py_TYPE(args[0]) != fast_ops->run_type) {
+  if (!takes_run_call(args, nargsf, kwnames, 3)) {
     return fall_back(kRecordEvent, args, nargsf, kwnames);
   }
   StreamRun* run = run_of(args[0], "record_event");
@@ -353,8 +363,7 @@ PyObject* fast_join(
     size_t nargsf,
     PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (kwnames != nullptr || PyVectorcall_NARGS(nargsf) != 2 ||
-      Py_TYPE(args[0]) != fast_ops->run_type) {
+  if (!takes_run_call(args, nargsf, kwnames, 2)) {
     return fall_back(kJoin, args, nargsf, kwnames);
   }
   StreamRun* run = run_of(args[0], "join");

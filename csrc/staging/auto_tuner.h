@@ -107,12 +107,9 @@ class AutoTuner {
     if (!started_ || settle_ > 0) {
       return true;
     }
-    if (trial_ != Move::kNone) { // a trial may end at half a window
-      return 2 * (items - start_.items) >= limits_.window_items &&
-          2 * (now_ns - start_.now_ns) >= limits_.window_ns;
-    }
-    return items - start_.items >= limits_.window_items &&
-        now_ns - start_.now_ns >= limits_.window_ns;
+    // A trial may end at half a window.
+    return covers(
+        items - start_.items, now_ns - start_.now_ns, trial_ != Move::kNone);
   }
 
   // Feeds one sample; returns true when setting() changed.
@@ -130,8 +127,7 @@ class AutoTuner {
     }
     const int64_t items = s.items - start_.items;
     const int64_t ns = s.now_ns - start_.now_ns;
-    if (trial_ != Move::kNone && ns > 0 && 2 * items >= limits_.window_items &&
-        2 * ns >= limits_.window_ns &&
+    if (trial_ != Move::kNone && ns > 0 && covers(items, ns, /*half=*/true) &&
         static_cast<double>(items) / ns <
             base_rate_ * (1.0 - 5 * limits_.loss_margin)) {
       // Half a window already says the trial is far worse: end it there.
@@ -140,7 +136,7 @@ class AutoTuner {
       last_rate_ = static_cast<double>(items) / ns;
       return judge(last_rate_);
     }
-    if (items < limits_.window_items || ns < limits_.window_ns || ns <= 0) {
+    if (!covers(items, ns, /*half=*/false) || ns <= 0) {
       return false;
     }
     const double rate = static_cast<double>(items) / static_cast<double>(ns);
@@ -163,48 +159,26 @@ class AutoTuner {
     }
     const double ideal_gain = (wait_per_item + rest_per_item) /
         std::max(wait_per_item, rest_per_item);
-    // Moves in order of preference; the first allowed and not cooling down
-    // is tried. A waiting consumer also tries a thread fewer once more
-    // threads and capacity were refused: the thread may be what slows it.
-    Move move = Move::kNone;
+    // Moves in order of preference, each when allowed and not cooling down.
+    // A waiting consumer also tries a thread fewer once more threads and
+    // capacity are out (refused lately, or at their bound): the thread may
+    // be what slows it.
     const bool waiting = wait > limits_.wait_fraction;
-    const Move waiting_order[] = {
-        Move::kMoreThreads, Move::kMoreCapacity, Move::kFewerThreads};
-    const Move idle_order[] = {Move::kFewerThreads};
-    const Move* first = waiting ? waiting_order : idle_order;
-    const Move* last = waiting ? waiting_order + 3 : idle_order + 1;
-    for (const Move* m = first; m != last && move == Move::kNone; ++m) {
-      if (!ready(*m)) {
-        continue;
-      }
-      switch (*m) {
-        case Move::kMoreThreads:
-          // From none, a thread can only overlap the consumer's own
-          // production with the rest of its step; from one, more threads
-          // produce in parallel, whatever the consumer does.
-          if (setting_.threads < limits_.max_threads &&
-              (setting_.threads > 0 ||
-               ideal_gain > 1.0 + limits_.gain_margin)) {
-            move = *m;
-          }
-          break;
-        case Move::kMoreCapacity:
-          if (setting_.threads > 0 && blocked > limits_.wait_fraction &&
-              setting_.capacity < limits_.max_capacity) {
-            move = *m;
-          }
-          break;
-        case Move::kFewerThreads:
-          if (setting_.threads > limits_.min_threads &&
-              (!waiting || !ready(Move::kMoreThreads) ||
-               setting_.threads >= limits_.max_threads)) {
-            move = *m;
-          }
-          break;
-        case Move::kNone:
-          break;
-      }
-    }
+    // From none, a thread can only overlap the consumer's own production
+    // with the rest of its step; from one, more threads produce in
+    // parallel, whatever the consumer does.
+    const bool more_threads = waiting && ready(Move::kMoreThreads) &&
+        setting_.threads < limits_.max_threads &&
+        (setting_.threads > 0 || ideal_gain > 1.0 + limits_.gain_margin);
+    const bool more_capacity = waiting && ready(Move::kMoreCapacity) &&
+        setting_.threads > 0 && blocked > limits_.wait_fraction &&
+        setting_.capacity < limits_.max_capacity;
+    const bool fewer_threads =
+        ready(Move::kFewerThreads) && setting_.threads > limits_.min_threads;
+    const Move move = more_threads ? Move::kMoreThreads
+        : more_capacity            ? Move::kMoreCapacity
+        : fewer_threads            ? Move::kFewerThreads
+                                   : Move::kNone;
     if (move == Move::kNone) {
       return false;
     }
@@ -311,6 +285,12 @@ class AutoTuner {
         << "; tried again in " << backoff << " windows)";
     change(base_, why.str());
     return true;
+  }
+
+  // Whether `items` in `ns` fill a window (or half of one).
+  bool covers(int64_t items, int64_t ns, bool half) const {
+    const int64_t k = half ? 2 : 1;
+    return k * items >= limits_.window_items && k * ns >= limits_.window_ns;
   }
 
   bool ready(Move move) const {

@@ -572,9 +572,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       std::lock_guard<std::mutex> lock(source_mu);
       end_source(item.index);
     }
-    if (slot) {
-      slot.release();
-    }
+    slot.release(); // a consumer's is empty: a no-op
     const bool delivered = deliver(status, std::move(item), outcome);
     --in_flight;
     return delivered;

@@ -575,6 +575,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
     slot.release(); // a consumer's is empty: a no-op
     const bool delivered = deliver(status, std::move(item), outcome);
     --in_flight;
+    if (consumer) {
+      end_stream_if_done();
+    }
     return delivered;
   }
 
@@ -675,15 +678,25 @@ struct Stage::State : std::enable_shared_from_this<State> {
       // Before the end is visible: a consumer that saw the end of the
       // stream reads stats() with `finished` set.
       finished.store(true);
-      // The last producer out ends the stream: what is buffered drains,
-      // then consumers see the end (as DeepRec's last runner closes). Not
-      // when close() stopped it: consumers must see "closed", which the
-      // cancel that close() issues right after setting `stop` reports.
-      if (!stop.load()) {
-        buffer.close();
-      }
+      end_stream_if_done();
     }
     exit_cv.notify_all();
+  }
+
+  // The last one out ends the stream: what is buffered drains, then
+  // consumers see the end (as DeepRec's last runner closes). The last one
+  // is the last producer to exit or, when a consumer was still delivering
+  // an item it made itself (auto-tuning's no-thread setting), that
+  // consumer: it may hold the error that ended the source, which must not
+  // find the buffer closed. Both check under exit_mu after their own
+  // change (live, in_flight), so one of them sees the other's. Not when
+  // close() stopped the stage: consumers must see "closed", which the
+  // cancel that close() issues right after setting `stop` reports.
+  void end_stream_if_done() {
+    std::lock_guard<std::mutex> lock(exit_mu);
+    if (live == 0 && in_flight.load() == 0 && !stop.load()) {
+      buffer.close();
+    }
   }
 
   void start() {

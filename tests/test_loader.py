@@ -263,3 +263,41 @@ def test_autotune_makes_batches_in_the_loop_when_a_thread_does_not_pay():
     assert s["tuning"]["trials"] >= 1, s["tuning"]
     assert s["threads"] == 0 and s["inline_items"] >= 500, s["tuning"]
     assert any("back to no producer thread" in line for line in s["tuning"]["decisions"])
+
+
+def test_autotune_carries_what_it_learnt_into_the_next_epoch():
+    # As above, a thread does not pay. The first epoch tries one and backs
+    # off; the next epochs start where it settled, with its back-off, instead
+    # of trying the thread again at their start.
+    loader = torch_stage.DataLoader(SlowOffTheLoop(), batch_size=1)
+    trials, firsts = [], []
+    for _ in range(3):
+        seen = []
+        for batch in loader:
+            seen.extend(batch.tolist())
+            _busy(0.001)
+        assert seen == list(range(600))
+        s = loader.stats()
+        trials.append(s["tuning"]["trials"])
+        firsts.append(s["tuning"]["decisions"][0])
+        memory = loader._tuning_memory
+        assert memory["threads"] == 0, s["tuning"]
+    assert trials[0] >= 1
+    assert firsts[0].startswith("window"), firsts
+    for epoch in (1, 2):
+        assert firsts[epoch].startswith("resumed at no producer thread"), firsts
+    assert trials[1] + trials[2] < 2 * trials[0], trials  # afresh, each epoch tries as often
+    assert memory["backoff"][0] >= 4, memory  # the thread's trials thinned out
+
+
+def test_autotune_memory_is_the_next_stages_start():
+    memory = {"threads": 2, "capacity": 5, "backoff": [4, 1, 1], "cooldown": [3, 0, 0]}
+    with torch_stage.staged(range(50), _tuning_memory=memory) as stage:
+        s = stage.stats()
+        assert (s["threads"], s["capacity"]) == (2, 5), s
+        assert list(stage) == list(range(50))
+        assert stage._tuning_memory()["backoff"][0] >= 4
+    # Explicit values are never tuned: the memory does not apply.
+    with torch_stage.staged(range(5), num_threads=1, capacity=1, _tuning_memory=memory) as stage:
+        assert (stage.stats()["threads"], stage.stats()["capacity"]) == (1, 1)
+        assert stage._tuning_memory() is None

@@ -378,7 +378,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         autotune: choose what ``capacity`` and ``num_threads`` leave as None
             at run time from the training loop's measured rate (see
             ``torch_stage.staged``); ``stats()["tuning"]`` says what it
-            chose and why. False: 1 thread and capacity 2 unless given.
+            chose and why. Each epoch starts where the last one's tuning
+            settled. False: 1 thread and capacity 2 unless given.
         stage_subgraph_stream_id: the staging stream for the copies
             (torch_stage's own, never a multi-stream side stream; 0: the
             consumer's current stream). The consumer's stream waits for each
@@ -494,6 +495,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self.name = name
         self._current: Optional[weakref.ref] = None  # the newest iterator
         self._last_stats: dict = {}
+        self._tuning_memory: Optional[dict] = None  # the last epoch's auto-tuning
         self._prepared: Optional[_SkippingSampler] = None
         self._epoch: Optional[dict] = None  # the epoch in progress
         self._resume: Optional[dict] = None  # set by load_state_dict
@@ -544,6 +546,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # thread does not pay, e.g. when the batches are made by Python
             # code that holds the GIL the training step needs.
             _min_threads=0,
+            # Each epoch's stage starts where the last one's tuning settled,
+            # with its back-off: a thread that did not pay is not tried again
+            # at the start of every epoch.
+            _tuning_memory=self.__dict__.get("_tuning_memory") if autotune else None,
             stage_subgraph_stream_id=self.stage_subgraph_stream_id,
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),
@@ -792,6 +798,7 @@ class _LoaderIter:
         if stage is not None:
             stage.close()
             self._last_stats = self._loader._last_stats = self._stats_of(stage, run)
+            self._loader._tuning_memory = stage._tuning_memory()
 
     def _finish(self) -> None:
         if self._loader._epoch is self._state:

@@ -132,6 +132,12 @@ class Stage:
         if impl is not None:
             impl.close()
 
+    def _tuning_memory(self) -> Optional[dict]:
+        """What auto-tuning learnt (setting, back-off), for a later stage of
+        the same work: ``staged(..., _tuning_memory=...)``. None unless
+        auto-tuned."""
+        return self._impl.tuning_memory()
+
     def stats(self) -> dict:
         """Counters and times, enough to tell input-bound from compute-bound.
 
@@ -494,6 +500,7 @@ def staged(
     put_timeout_millis: Optional[int] = None,
     autotune: bool = True,
     _min_threads: int = 1,
+    _tuning_memory: Optional[dict] = None,
 ) -> Stage:
     """Produce the items of ``source`` ahead of the consumer, in C++ threads.
 
@@ -579,6 +586,10 @@ def staged(
     if not isinstance(autotune, bool):
         raise TypeError(f"autotune must be a bool, got {autotune!r}")
     tuning = _tuning(capacity, num_threads, autotune, _min_threads)
+    if _tuning_memory is not None and tuning.get("auto_tune"):
+        # What an earlier stage of the same work settled on (a DataLoader's
+        # previous epoch), clamped to this stage's bounds in C++.
+        tuning["tuning_memory"] = _tuning_memory
     check_int("num_clients", num_clients, 1, ">= 1")
     check_int("timeout_millis", timeout_millis, 1, "> 0")
     closed = _check_exception_types("closed_exception_types", closed_exception_types)

@@ -13,11 +13,13 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "python/bindings.h"
 #include "staging/device_stager.h"
@@ -440,6 +442,37 @@ class PyStage {
   std::unique_ptr<Stage> stage_;
 };
 
+// A tuner's memory as Python sees it: {"threads", "capacity", "backoff",
+// "cooldown"} (the lists indexed by AutoTuner::Move), kept by the DataLoader
+// from one epoch's stage for the next.
+py::dict memory_to(const TunerMemory& m) {
+  py::dict d;
+  d["threads"] = m.setting.threads;
+  d["capacity"] = m.setting.capacity;
+  d["backoff"] =
+      py::cast(std::vector<int64_t>(m.backoff.begin(), m.backoff.end()));
+  d["cooldown"] =
+      py::cast(std::vector<int64_t>(m.cooldown.begin(), m.cooldown.end()));
+  return d;
+}
+
+TunerMemory memory_from(const py::object& obj) {
+  const auto d = obj.cast<py::dict>();
+  TunerMemory m;
+  m.setting.threads = d["threads"].cast<int64_t>();
+  m.setting.capacity = d["capacity"].cast<int64_t>();
+  const auto backoff = d["backoff"].cast<std::vector<int64_t>>();
+  const auto cooldown = d["cooldown"].cast<std::vector<int64_t>>();
+  if (backoff.size() != m.backoff.size() ||
+      cooldown.size() != m.cooldown.size()) {
+    throw py::value_error(
+        "tuning_memory: backoff and cooldown need 3 entries each");
+  }
+  std::copy(backoff.begin(), backoff.end(), m.backoff.begin());
+  std::copy(cooldown.begin(), cooldown.end(), m.cooldown.begin());
+  return m;
+}
+
 std::optional<c10::Device> parse_device(const py::object& device) {
   if (device.is_none()) {
     return std::nullopt;
@@ -477,7 +510,8 @@ void init_stage(py::module_& m) {
                       int64_t max_capacity,
                       int64_t memory_budget_bytes,
                       int64_t tune_window_items,
-                      int64_t tune_window_ns) {
+                      int64_t tune_window_ns,
+                      py::object tuning_memory) {
             StageOptions options;
             options.name = name;
             options.capacity = capacity;
@@ -497,6 +531,9 @@ void init_stage(py::module_& m) {
             options.memory_budget_bytes = memory_budget_bytes;
             options.tune_window_items = tune_window_items;
             options.tune_window_ns = tune_window_ns;
+            if (!tuning_memory.is_none()) {
+              options.tuning_memory = memory_from(tuning_memory);
+            }
             auto work = std::make_shared<PyStageWork>(
                 name,
                 std::move(source),
@@ -536,7 +573,8 @@ void init_stage(py::module_& m) {
           py::arg("max_capacity") = 1,
           py::arg("memory_budget_bytes") = 0,
           py::arg("tune_window_items") = 8,
-          py::arg("tune_window_ns") = 50'000'000)
+          py::arg("tune_window_ns") = 50'000'000,
+          py::arg("tuning_memory") = py::none())
       .def(
           "start",
           [](PyStage& s) { s.stage().start(); },
@@ -554,6 +592,15 @@ void init_stage(py::module_& m) {
           py::arg("join_timeout_ms") = -1,
           py::call_guard<ReleasedGil>())
       .def("stats", &PyStage::stats)
+      .def(
+          "tuning_memory",
+          [](PyStage& s) -> py::object {
+            const auto memory = s.stage().tuning_memory();
+            if (!memory) {
+              return py::none();
+            }
+            return memory_to(*memory);
+          })
       .def("describe", [](PyStage& s) { return s.stage().describe(); })
       .def("buffered", [](PyStage& s) { return s.stage().buffered(); })
       .def_property_readonly(

@@ -79,6 +79,16 @@ struct TunerSetting {
   }
 };
 
+// What a tuner learnt, for another stage of the same work to start from (a
+// DataLoader's next epoch): the setting it settled on, and each move's
+// back-off and the windows it still waits. Without it every epoch explores
+// from the start again, its refused trials included.
+struct TunerMemory {
+  TunerSetting setting;
+  std::array<int64_t, 3> backoff{1, 1, 1}; // indexed by AutoTuner::Move
+  std::array<int64_t, 3> cooldown{0, 0, 0};
+};
+
 // Cumulative counters at one take.
 struct TunerSample {
   int64_t now_ns = 0;
@@ -100,6 +110,20 @@ class AutoTuner {
 
   AutoTuner(TunerLimits limits, TunerSetting start)
       : limits_(limits), setting_(clamp(start)) {}
+  // Resumes from what another tuner learnt (within these limits).
+  AutoTuner(TunerLimits limits, const TunerMemory& memory)
+      : limits_(limits), setting_(clamp(memory.setting)) {
+    for (std::size_t i = 0; i < backoff_.size(); ++i) {
+      backoff_[i] =
+          std::clamp<int64_t>(memory.backoff[i], 1, limits_.max_backoff);
+      cooldown_[i] =
+          std::clamp<int64_t>(memory.cooldown[i], 0, limits_.max_backoff);
+    }
+    std::ostringstream why;
+    why << "resumed at " << describe(setting_)
+        << " (what an earlier run settled on)";
+    record(why.str());
+  }
 
   // Whether observe() would use a sample now: call it on every take (cheap),
   // and build the full sample (which reads the buffer's counters) only then.
@@ -209,6 +233,14 @@ class AutoTuner {
 
   TunerSetting setting() const {
     return setting_;
+  }
+  // What this tuner learnt so far; a trial under way is not part of it.
+  TunerMemory memory() const {
+    TunerMemory m;
+    m.setting = trial_ == Move::kNone ? setting_ : base_;
+    m.backoff = backoff_;
+    m.cooldown = cooldown_;
+    return m;
   }
   // Whether the samples after a change are still being skipped.
   bool settling() const {

@@ -248,8 +248,13 @@ struct Stage::State : std::enable_shared_from_this<State> {
       limits.max_capacity = options.max_capacity;
       limits.window_items = options.tune_window_items;
       limits.window_ns = options.tune_window_ns;
-      tuner.emplace(
-          limits, TunerSetting{options.initial_threads, options.capacity});
+      if (options.tuning_memory) {
+        tuner.emplace(limits, *options.tuning_memory);
+        buffer.set_capacity(static_cast<size_t>(tuner->setting().capacity));
+      } else {
+        tuner.emplace(
+            limits, TunerSetting{options.initial_threads, options.capacity});
+      }
       active.store(tuner->setting().threads);
     } else {
       active.store(options.num_threads);
@@ -1073,6 +1078,14 @@ std::vector<std::string> Stage::tuning_log() const {
   std::lock_guard<std::mutex> lock(state_->tune_mu);
   const auto& log = state_->tuner->log();
   return {log.begin(), log.end()};
+}
+
+std::optional<TunerMemory> Stage::tuning_memory() const {
+  if (!state_->tuner) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(state_->tune_mu);
+  return state_->tuner->memory();
 }
 
 std::string Stage::timeout_message(std::chrono::milliseconds waited) const {

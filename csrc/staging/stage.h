@@ -55,6 +55,7 @@
 #include <thread>
 #include <vector>
 
+#include "staging/auto_tuner.h"
 #include "staging/bounded_buffer.h"
 #include "staging/staging_area.h"
 
@@ -202,6 +203,9 @@ struct StageOptions {
   // the setting change all the time.
   int64_t tune_window_items = 8;
   int64_t tune_window_ns = 50'000'000;
+  // Start from what an earlier stage's tuner learnt (Stage::tuning_memory;
+  // clamped to these bounds) instead of initial_threads and capacity.
+  std::optional<TunerMemory> tuning_memory;
 };
 
 struct StageStats {
@@ -306,6 +310,9 @@ class Stage {
   std::string describe() const;
   // The auto-tuner's decisions, oldest first (empty unless auto_tune).
   std::vector<std::string> tuning_log() const;
+  // What the auto-tuner learnt so far, for a later stage of the same work
+  // (StageOptions::tuning_memory); nullopt unless auto_tune.
+  std::optional<TunerMemory> tuning_memory() const;
   // The error a consumer reports when it waited past timeout_ms.
   std::string timeout_message(std::chrono::milliseconds waited) const;
 

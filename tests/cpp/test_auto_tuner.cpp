@@ -171,5 +171,69 @@ TEST(AutoTuner, ShortWindowsAreNotJudged) {
   EXPECT_EQ(tuner.windows(), 0);
 }
 
+// Epochs of 12 windows where a thread does not pay (as above), each epoch a
+// new tuner: started afresh every epoch retries the thread at the same
+// points; resumed from the last epoch's memory, the back-off carries on and
+// the trials thin out across epochs.
+TEST(AutoTuner, ResumingFromMemoryCarriesTheBackOffAcrossRuns) {
+  auto run_epochs = [](bool resume) {
+    std::vector<int64_t> trials;
+    TunerMemory memory;
+    memory.setting = TunerSetting{0, 2};
+    for (int epoch = 0; epoch < 6; ++epoch) {
+      AutoTuner tuner = resume ? AutoTuner(limits(0, 4), memory)
+                               : AutoTuner(limits(0, 4), TunerSetting{0, 2});
+      Feed feed(tuner);
+      for (int w = 0; w < 12; ++w) {
+        feed.window(tuner.setting().threads > 0 ? 0.7 : 1.0, 0.5);
+      }
+      trials.push_back(tuner.trials());
+      memory = tuner.memory();
+      EXPECT_EQ(memory.setting.threads, 0);
+    }
+    return trials;
+  };
+  const std::vector<int64_t> fresh = run_epochs(false);
+  const std::vector<int64_t> resumed = run_epochs(true);
+  int64_t fresh_total = 0;
+  int64_t resumed_total = 0;
+  for (size_t e = 0; e < fresh.size(); ++e) {
+    EXPECT_GE(fresh[e], 2) << "epoch " << e;
+    fresh_total += fresh[e];
+    resumed_total += resumed[e];
+  }
+  EXPECT_EQ(resumed[0], fresh[0]);
+  // The later epochs wait out the grown back-off: at most one trial each.
+  for (size_t e = 2; e < resumed.size(); ++e) {
+    EXPECT_LE(resumed[e], 1) << "epoch " << e;
+  }
+  EXPECT_LT(resumed_total * 2, fresh_total);
+}
+
+TEST(AutoTuner, MemoryIsTheSettledSettingNotATrialAndIsClampedOnResume) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  ASSERT_TRUE(feed.window(1.0, 0.5)); // trying a thread
+  EXPECT_EQ(tuner.setting().threads, 1);
+  EXPECT_EQ(tuner.memory().setting.threads, 0); // not kept yet
+  EXPECT_FALSE(feed.window(1.8, 0.0)); // kept
+  EXPECT_EQ(tuner.memory().setting.threads, 1);
+
+  TunerMemory wild;
+  wild.setting = TunerSetting{9, 100};
+  wild.backoff = {1000, -5, 2};
+  wild.cooldown = {-1, 1000, 3};
+  AutoTuner resumed(limits(0, 4), wild);
+  EXPECT_EQ(resumed.setting(), (TunerSetting{4, 8}));
+  const TunerMemory m = resumed.memory();
+  EXPECT_EQ(m.backoff[0], resumed.limits().max_backoff);
+  EXPECT_EQ(m.backoff[1], 1);
+  EXPECT_EQ(m.cooldown[0], 0);
+  EXPECT_EQ(m.cooldown[1], resumed.limits().max_backoff);
+  EXPECT_NE(
+      resumed.log().front().find("resumed at 4 threads"), std::string::npos)
+      << resumed.log().front();
+}
+
 } // namespace
 } // namespace torch_stage

@@ -16,13 +16,17 @@ is a training step (an MLP with SGD) sized against it. Per cell:
 * ``torchdata``: torchdata.nodes ``ParallelMapper(method="thread",
   num_workers=2)`` over the same index batches, prefetched by 2.
 
+With --epochs E each run trains E epochs of the same loader (as a training
+run does; torch_stage.DataLoader carries its tuning from one epoch to the
+next) and its step time is the mean over them.
+
 Every method runs once per round, rounds alternate the methods, and the
 table gives the median step time and each one's ratio to the plain
 DataLoader with the same arguments (ours) or to ``plain_w2`` (staged,
 torchdata), taken within each round, then the median over rounds. Steady
 state only: each clock starts after the first batch of its epoch.
 
-Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--json PATH]
+Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--epochs E] [--json PATH]
 """
 
 import argparse
@@ -164,7 +168,22 @@ def baseline(key: str):
     return None if key.startswith("plain") else "plain_w2"
 
 
-def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) -> dict:
+def run(maker, step, steps: int, epochs: int):
+    """ms per step over `epochs` epochs of one loader, as a training run
+    uses it (a one-pass source, staged()'s, is made again for each epoch),
+    and that loader."""
+    loader = maker()
+    total = 0.0
+    for epoch in range(epochs):
+        if epoch and isinstance(loader, torch_stage.Stage):
+            loader = maker()
+        total += timed(loader, step, steps)
+    return total / epochs, loader
+
+
+def cell(
+    name: str, reps: int, hidden: int, steps: int, rounds: int, only=None, epochs: int = 1
+) -> dict:
     n = (steps + 2) * BATCH
     dataset = Images(n, reps)
     makers = methods(dataset, n)
@@ -179,8 +198,7 @@ def cell(name: str, reps: int, hidden: int, steps: int, rounds: int, only=None) 
         order = list(makers) if r % 2 == 0 else list(reversed(list(makers)))
         this = {}
         for key in order:
-            loader = makers[key]()
-            this[key] = timed(loader, Step(hidden), steps)
+            this[key], loader = run(makers[key], Step(hidden), steps, epochs)
             if hasattr(loader, "stats"):
                 stats[key] = loader.stats()
             runs[key].append(this[key])
@@ -238,12 +256,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="epochs of the same loader per run (auto-tuning carries over between them)",
+    )
     parser.add_argument("--cells", nargs="*", default=list(GRID), choices=list(GRID))
     parser.add_argument("--only", nargs="*", default=None, help="methods besides plain_*")
     add_json_argument(parser)
     args = parser.parse_args()
     rows = [
-        cell(name, *GRID[name], args.steps, args.rounds, args.only)
+        cell(name, *GRID[name], args.steps, args.rounds, args.only, args.epochs)
         for name in progress(args.cells, "cells")
     ]
     print(table(rows))
@@ -254,6 +278,7 @@ def main() -> int:
             "machine": machine(),
             "steps": args.steps,
             "rounds": args.rounds,
+            "epochs": args.epochs,
             "batch_size": BATCH,
             "unit": "ms per step (steady state), median over rounds; ratios per round",
             "cells": rows,

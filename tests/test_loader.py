@@ -301,3 +301,26 @@ def test_autotune_memory_is_the_next_stages_start():
     with torch_stage.staged(range(5), num_threads=1, capacity=1, _tuning_memory=memory) as stage:
         assert (stage.stats()["threads"], stage.stats()["capacity"]) == (1, 1)
         assert stage._tuning_memory() is None
+
+
+def test_each_epoch_starts_without_a_thread_but_with_what_tuning_learnt():
+    loader = torch_stage.DataLoader(list(range(40)), batch_size=4)
+    # Settled at 3 threads: the next epoch starts at none, its moves free
+    # to add them again at once.
+    loader._tuning_memory = {"threads": 3, "capacity": 6, "backoff": [16, 4, 1], "cooldown": [9, 2, 5]}
+    assert loader._next_tuning_memory() == {
+        "threads": 0,
+        "capacity": 6,
+        "backoff": [16, 4, 1],
+        "cooldown": [0, 0, 0],
+    }
+    assert [b.tolist() for b in loader] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+    first = loader.stats()["tuning"]["decisions"][0]
+    assert first.startswith("resumed at no producer thread (the consumer produces), capacity 6")
+    # Settled at none: a thread's trial keeps its wait.
+    loader._tuning_memory = {"threads": 0, "capacity": 2, "backoff": [16, 1, 1], "cooldown": [9, 0, 0]}
+    assert loader._next_tuning_memory()["cooldown"] == [9, 0, 0]
+    # autotune=False: nothing carries.
+    loader.autotune = False
+    assert [b.tolist() for b in loader][0] == [0, 1, 2, 3]
+    assert loader.stats()["tuning"] is None

@@ -378,8 +378,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         autotune: choose what ``capacity`` and ``num_threads`` leave as None
             at run time from the training loop's measured rate (see
             ``torch_stage.staged``); ``stats()["tuning"]`` says what it
-            chose and why. Each epoch starts where the last one's tuning
-            settled. False: 1 thread and capacity 2 unless given.
+            chose and why. Each epoch starts from what the last one's
+            tuning learnt (capacity, which moves did not pay), without a
+            staging thread. False: 1 thread and capacity 2 unless given.
         stage_subgraph_stream_id: the staging stream for the copies
             (torch_stage's own, never a multi-stream side stream; 0: the
             consumer's current stream). The consumer's stream waits for each
@@ -546,10 +547,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # thread does not pay, e.g. when the batches are made by Python
             # code that holds the GIL the training step needs.
             _min_threads=0,
-            # Each epoch's stage starts where the last one's tuning settled,
-            # with its back-off: a thread that did not pay is not tried again
-            # at the start of every epoch.
-            _tuning_memory=self.__dict__.get("_tuning_memory") if autotune else None,
+            _tuning_memory=self._next_tuning_memory() if autotune else None,
             stage_subgraph_stream_id=self.stage_subgraph_stream_id,
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),
@@ -557,6 +555,28 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             device=self.device,
             name=self.name or "dataloader",
         )
+
+    def _next_tuning_memory(self) -> Optional[dict]:
+        """What the next epoch's stage starts from: no staging thread, the
+        plain DataLoader's way, with the last epoch's capacity and every
+        move's back-off, so that a thread that did not pay is not tried again
+        at the start of each epoch.
+
+        Why not the last thread count too: a thread kept on a measurement the
+        machine's noise made would then cost every later epoch until its
+        reverse move's back-off ran out (seen on the compute-bound cell of
+        benchmarks/dataloader_grid.py --epochs 3: a round at 0.65x the plain
+        loader); adding a thread where one pays costs one window per epoch.
+        When the last epoch did use threads, the moves wait no longer: a wait
+        left by a refused third thread must not hold back the first.
+        """
+        memory = self.__dict__.get("_tuning_memory")
+        if memory is None:
+            return None
+        start = dict(memory, threads=0)
+        if memory["threads"] > 0:
+            start["cooldown"] = [0] * len(memory["cooldown"])
+        return start
 
     @property
     def _index_sampler(self):

@@ -307,7 +307,12 @@ def test_each_epoch_starts_without_a_thread_but_with_what_tuning_learnt():
     loader = torch_stage.DataLoader(list(range(40)), batch_size=4)
     # Settled at 3 threads: the next epoch starts at none, its moves free
     # to add them again at once.
-    loader._tuning_memory = {"threads": 3, "capacity": 6, "backoff": [16, 4, 1], "cooldown": [9, 2, 5]}
+    loader._tuning_memory = {
+        "threads": 3,
+        "capacity": 6,
+        "backoff": [16, 4, 1],
+        "cooldown": [9, 2, 5],
+    }
     assert loader._next_tuning_memory() == {
         "threads": 0,
         "capacity": 6,
@@ -318,7 +323,7 @@ def test_each_epoch_starts_without_a_thread_but_with_what_tuning_learnt():
     first = loader.stats()["tuning"]["decisions"][0]
     assert first.startswith("resumed at no producer thread (the consumer produces), capacity 6")
     # Settled at none: a thread's trial keeps its wait.
-    loader._tuning_memory = {"threads": 0, "capacity": 2, "backoff": [16, 1, 1], "cooldown": [9, 0, 0]}
+    loader._tuning_memory = dict(loader._tuning_memory, threads=0, cooldown=[9, 0, 0])
     assert loader._next_tuning_memory()["cooldown"] == [9, 0, 0]
     # autotune=False: nothing carries.
     loader.autotune = False

@@ -76,12 +76,18 @@ of the first file held in memory, on one thread (torch.set_num_threads(1)),
 as examples per second of that thread's CPU time (which other processes on
 a shared machine disturb far less than wall time).
 
+``--stage-cost``: what a stage adds to the parse: the same batches, held in
+memory, through ``staged(batches, transform=parse)`` (one producer thread,
+the consumer doing nothing) and through parse_example in the loop,
+alternated --rounds times; the median ratio of their wall times (1.0: the
+stage costs nothing beyond the parse).
+
 The files are generated once into build/bench_data/records_vs_tf_data/
 and reused.
 
 Usage: python benchmarks/records_vs_tf_data.py [--layout columns|packed]
        [--batch-size B] [--rounds R] [--seconds S] [--tf-python PATH]
-       [--skip name,...] [--json] [--parse-only]
+       [--skip name,...] [--json] [--parse-only | --stage-cost]
 """
 
 import argparse
@@ -568,6 +574,45 @@ def parse_only(paths, args):
     }
 
 
+def stage_cost(paths, args):
+    """Wall time of staged(parse) over in-memory batches against the same
+    parse in the loop, alternated; the median of the per-pair ratios."""
+    import torch_stage
+
+    features = stage_features(args.layout)
+    with torch_stage.RecordInput(paths, batch_size=args.batch_size) as records:
+        batches = [b for _, b in zip(range(200), records)]
+    examples = len(batches) * args.batch_size
+
+    def parse(batch):
+        return torch_stage.parse_example(batch, features)
+
+    def staged_run():
+        start = time.perf_counter()
+        with torch_stage.staged(batches, transform=parse, num_threads=1, capacity=4) as stage:
+            for _ in stage:
+                pass
+        return time.perf_counter() - start
+
+    def loop_run():
+        start = time.perf_counter()
+        for b in batches:
+            parse(b)
+        return time.perf_counter() - start
+
+    pairs = [(staged_run(), loop_run()) for _ in range(max(args.rounds, 1) * 3)]
+    ratios = [s / i for s, i in pairs]
+    return {
+        "benchmark": "records_vs_tf_data --stage-cost",
+        "layout": args.layout,
+        "batch_size": args.batch_size,
+        "staged_over_loop": round(statistics.median(ratios), 3),
+        "staged_ns_per_example": round(statistics.median(s for s, _ in pairs) / examples * 1e9),
+        "loop_ns_per_example": round(statistics.median(i for _, i in pairs) / examples * 1e9),
+        "ratios": [round(r, 3) for r in ratios],
+    }
+
+
 def table(report):
     lines = [
         f"records pipeline, {report['config']['layout']} Criteo-like rows, "
@@ -625,6 +670,9 @@ def main():
     parser.add_argument(
         "--parse-only", action="store_true", help="parse_example alone, per CPU-second"
     )
+    parser.add_argument(
+        "--stage-cost", action="store_true", help="staged(parse) against parse in the loop"
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     unknown = skip - set(PIPELINES)
@@ -639,6 +687,17 @@ def main():
             if args.json
             else f"parse_example, {args.layout} rows, one thread: "
             f"{got['examples_per_cpu_s']:,} examples per CPU-second (median of {args.rounds})"
+        )
+        return
+    if args.stage_cost:
+        got = stage_cost(paths, args)
+        print(
+            json.dumps(got, indent=2)
+            if args.json
+            else f"staged(parse_example) over in-memory {args.layout} batches: "
+            f"{got['staged_over_loop']}x the time of the parse in the loop "
+            f"({got['staged_ns_per_example']} against {got['loop_ns_per_example']} ns per "
+            f"example; median of {len(got['ratios'])} alternations)"
         )
         return
     load_start = list(os.getloadavg())

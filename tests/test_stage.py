@@ -313,6 +313,8 @@ def test_keyboard_interrupt_reaches_a_waiting_consumer(run_python):
             while True:
                 time.sleep(0.5)
                 yield 1
+        # Python ignores SIGINT when started with it ignored (a background job, nohup).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         stage = torch_stage.staged(slow(), timeout_millis=60000)
         threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         try:

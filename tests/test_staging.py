@@ -303,6 +303,8 @@ def test_keyboard_interrupt_reaches_a_main_thread_blocked_in_take(run_python):
     proc = run_python(
         """
         import os, signal, threading, time, torch_stage
+        # Python ignores SIGINT when started with it ignored (a background job, nohup).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         area = torch_stage.StagingArea(1)
         threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         start = time.monotonic()

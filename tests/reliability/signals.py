@@ -13,8 +13,12 @@ from reliability.harness import check, kill_group, native_stacks, scenario, spaw
 LATENCY_BOUND_S = 0.5
 
 _PRELUDE = """
-import itertools, sys, time
+import itertools, signal, sys, time
 import torch, torch_stage
+
+# Python leaves SIGINT ignored when it starts with it ignored (a background
+# job, nohup): the scenario is a user's process, with Python's handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 class Slow(torch.utils.data.Dataset):
     def __len__(self): return 100

@@ -121,7 +121,7 @@ class AutoTuner {
     }
     std::ostringstream why;
     why << "resumed at " << describe(setting_)
-        << " (what an earlier run settled on)";
+        << " (from what an earlier run learnt)";
     record(why.str());
   }
 

@@ -220,11 +220,15 @@ pictures: tools $(ZOO_EXT_STAMP)
 PY_FILES := setup.py torch_stage tests benchmarks examples
 
 lint: venv
+	@command -v clang-format > /dev/null || { echo "clang-format is missing: installing Debian's clang-format"; \
+	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends clang-format; }
 	clang-format --dry-run --Werror $(CPP_SOURCES)
 	ruff check $(PY_FILES)
 	ruff format --check $(PY_FILES)
 
 format: venv
+	@command -v clang-format > /dev/null || { $(SUDO) apt-get update -q && \
+	  $(SUDO) apt-get install -y -q --no-install-recommends clang-format; }
 	clang-format -i $(CPP_SOURCES)
 	ruff check --fix $(PY_FILES)
 	ruff format $(PY_FILES)

@@ -6,6 +6,27 @@
 #include <sstream>
 #include <unordered_set>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+// The fast walk's helpers are inlined into scan_fast<true>, which is
+// compiled for BMI1/BMI2 and POPCNT (every CPU with a fast pext has them):
+// the library itself targets baseline x86-64 and picks that walk at run
+// time (BatchParser::has_fast_pext), so no instruction of it runs elsewhere.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TORCH_STAGE_TARGET_BMI2 __attribute__((target("bmi,bmi2,popcnt")))
+#else
+#define TORCH_STAGE_TARGET_BMI2
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define TORCH_STAGE_ALWAYS_INLINE __attribute__((always_inline))
+#define TORCH_STAGE_NOINLINE __attribute__((noinline))
+#else
+#define TORCH_STAGE_ALWAYS_INLINE
+#define TORCH_STAGE_NOINLINE
+#endif
+
 namespace torch_stage::records {
 
 const char* to_string(FeatureKind kind) {
@@ -678,7 +699,7 @@ namespace {
 
 constexpr uint64_t kHighBits = 0x8080808080808080ull;
 
-uint64_t load_le64(const uint8_t* p) {
+TORCH_STAGE_ALWAYS_INLINE inline uint64_t load_le64(const uint8_t* p) {
   uint64_t w;
   std::memcpy(&w, p, sizeof(w));
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -691,7 +712,7 @@ uint64_t load_le64(const uint8_t* p) {
 // together: BMI2's pext(x, 0x7f7f...) in three shift-and-mask steps, which
 // every x86-64 and ARM runs fast (pext is microcoded on AMD before Zen 3).
 template <bool kPext>
-inline uint64_t compact7(uint64_t x) {
+TORCH_STAGE_ALWAYS_INLINE inline uint64_t compact7(uint64_t x) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   if constexpr (kPext) {
     // Inline assembly, not _pext_u64: the library is built for baseline
@@ -712,7 +733,7 @@ inline uint64_t compact7(uint64_t x) {
 // `load_end` (>= end: the end of the record): with 8 bytes there, a varint
 // of up to 8 bytes is decoded from one load (its end is the first byte
 // below 0x80), even when its field ends sooner.
-inline bool fast_varint(
+TORCH_STAGE_ALWAYS_INLINE inline bool fast_varint(
     const uint8_t*& p,
     const uint8_t* end,
     const uint8_t* load_end,
@@ -751,7 +772,7 @@ inline bool fast_varint(
 }
 
 // A length-delimited field's length, which must end within [p, end).
-inline bool fast_length(
+TORCH_STAGE_ALWAYS_INLINE inline bool fast_length(
     const uint8_t*& p,
     const uint8_t* end,
     const uint8_t* load_end,
@@ -765,54 +786,179 @@ inline bool fast_length(
   return true;
 }
 
+// Bit k set: p[k] < 0x80, the last byte of a varint, for the 64 bytes at
+// p. SSE2 (part of x86-64) tests 16 bytes an instruction; elsewhere each
+// 8-byte word's high bits are gathered by a multiply.
+TORCH_STAGE_ALWAYS_INLINE inline uint64_t varint_stops64(const uint8_t* p) {
+#if defined(__SSE2__)
+  const auto mask16 = [p](int k) {
+    return static_cast<uint64_t>(static_cast<uint16_t>(_mm_movemask_epi8(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k)))));
+  };
+  return ~(
+      mask16(0) | (mask16(1) << 16) | (mask16(2) << 32) | (mask16(3) << 48));
+#else
+  uint64_t high = 0;
+  for (int k = 0; k < 8; ++k) {
+    high |= (((load_le64(p + 8 * k) & kHighBits) * 0x0002040810204081ull) >> 56)
+        << (8 * k);
+  }
+  return ~high;
+#endif
+}
+
+// The low 7 bits of each of the low `len` (1..8) bytes: pext's mask for a
+// varint of `len` bytes.
+constexpr uint64_t kVarintKeep[9] = {
+    0,
+    0x7full,
+    0x7f7full,
+    0x7f7f7full,
+    0x7f7f7f7full,
+    0x7f7f7f7f7full,
+    0x7f7f7f7f7f7full,
+    0x7f7f7f7f7f7f7full,
+    0x7f7f7f7f7f7f7f7full};
+
+// The varint of `len` (1..8) bytes in the low bytes of w.
+template <bool kPext>
+TORCH_STAGE_ALWAYS_INLINE inline uint64_t varint_of_keep(
+    uint64_t w,
+    size_t len) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if constexpr (kPext) {
+    uint64_t v;
+    asm("pextq %2, %1, %0" : "=r"(v) : "r"(w), "r"(kVarintKeep[len]));
+    return v;
+  }
+#endif
+  return compact7<false>(w & kVarintKeep[len]);
+}
+
+// A varint of 9 or 10 bytes at p (negative values): bits 56..62 from byte
+// 8, bit 63 from byte 9 (its other bits fall past 64 and are dropped), as
+// Cursor::varint gives it.
+template <bool kPext>
+uint64_t long_varint(const uint8_t* p, size_t len) {
+  uint64_t v = compact7<kPext>(load_le64(p) & ~kHighBits) |
+      (static_cast<uint64_t>(p[8] & 0x7f) << 56);
+  if (len == 10) {
+    v |= static_cast<uint64_t>(p[9]) << 63;
+  }
+  return v;
+}
+
 // The packed varints [p, end) into out[0:count]: at most `limit` of them
 // (false past it: a fixed-length feature with too many values). Reads
-// stay below `load_end`, as in fast_varint. Eight one-byte values (small
-// counts, labels) are widened from one load.
+// stay below `load_end` (>= end).
+//
+// The varints' ends are found 64 bytes at a time, as a bit mask of the
+// bytes below 0x80; each varint is then [previous end + 1, next set bit].
+// Finding the next varint needs only the mask, not the value of the one
+// before, so the varints of a window decode side by side (the walk this
+// replaced waited, for each, on the load that gave the previous one's
+// length). Near load_end the window is copied into a zero-padded buffer.
 template <bool kPext>
-inline bool decode_packed_varints(
+TORCH_STAGE_ALWAYS_INLINE inline bool decode_packed_varints_body(
     const uint8_t* p,
     const uint8_t* end,
     const uint8_t* load_end,
     int64_t* out,
     size_t limit,
     size_t* count) {
+  // A window's last varint may start at byte 63 and is read 8 bytes wide.
+  constexpr size_t kWindow = 64;
+  constexpr size_t kReach = kWindow + 8;
   size_t n = 0;
-  // With 8 bytes of the list left, a varint of up to 8 bytes ends in it.
-  while (end - p >= 8) {
-    const uint64_t w = load_le64(p);
-    const uint64_t stops = ~w & kHighBits;
-    if (stops == kHighBits && limit - n >= 8) {
-      for (int k = 0; k < 8; ++k) {
-        out[n + k] = static_cast<int64_t>((w >> (8 * k)) & 0xff);
-      }
-      n += 8;
-      p += 8;
-      continue;
+  while (p < end) {
+    const size_t left = static_cast<size_t>(end - p);
+    const size_t window = std::min(left, kWindow);
+    alignas(16) uint8_t padded[kReach];
+    const uint8_t* base = p;
+    if (static_cast<size_t>(load_end - p) < kReach) {
+      std::memset(padded, 0, sizeof(padded));
+      std::memcpy(padded, p, window);
+      base = padded;
     }
-    if (n == limit) {
+    uint64_t stops = varint_stops64(base);
+    if (window < kWindow) {
+      stops &= (uint64_t{1} << window) - 1;
+    }
+    // No end: truncated, or a varint of more than 10 bytes. More ends than
+    // room: too many values.
+    if (stops == 0 ||
+        static_cast<size_t>(__builtin_popcountll(stops)) > limit - n) {
       return false;
     }
-    uint64_t v = 0;
-    if (stops == 0) { // a varint of 9 or 10 bytes (a negative value)
-      if (!fast_varint(p, end, load_end, &v)) {
+    size_t start = 0;
+    do {
+      const auto last = static_cast<size_t>(__builtin_ctzll(stops));
+      const size_t len = last - start + 1;
+      uint64_t v;
+      if (len <= 8) {
+        v = varint_of_keep<kPext>(load_le64(base + start), len);
+      } else if (len <= 10) {
+        v = long_varint<kPext>(base + start, len);
+      } else {
         return false;
       }
-    } else {
-      v = compact7<kPext>(w & (stops ^ (stops - 1)) & ~kHighBits);
-      p += (__builtin_ctzll(stops) >> 3) + 1;
-    }
-    out[n++] = static_cast<int64_t>(v);
-  }
-  while (p < end) {
-    uint64_t v = 0;
-    if (n == limit || !fast_varint(p, end, load_end, &v)) {
-      return false;
-    }
-    out[n++] = static_cast<int64_t>(v);
+      out[n++] = static_cast<int64_t>(v);
+      start = last + 1;
+      stops &= stops - 1;
+    } while (stops != 0);
+    // What follows the last end in the window starts the next window.
+    p += start;
   }
   *count = n;
   return true;
+}
+
+// Out of line: inside the walk, with its many live values, the loop's
+// own ones went to the stack (a load and a store more per varint).
+TORCH_STAGE_TARGET_BMI2 TORCH_STAGE_NOINLINE bool decode_varints_bmi2(
+    const uint8_t* p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    int64_t* out,
+    size_t limit,
+    size_t* count) {
+  return decode_packed_varints_body<true>(p, end, load_end, out, limit, count);
+}
+
+TORCH_STAGE_NOINLINE bool decode_varints_portable(
+    const uint8_t* p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    int64_t* out,
+    size_t limit,
+    size_t* count) {
+  return decode_packed_varints_body<false>(p, end, load_end, out, limit, count);
+}
+
+template <bool kPext>
+TORCH_STAGE_ALWAYS_INLINE inline bool decode_packed_varints(
+    const uint8_t* p,
+    const uint8_t* end,
+    const uint8_t* load_end,
+    int64_t* out,
+    size_t limit,
+    size_t* count) {
+  // A list of one value of up to 8 bytes (a scalar feature: one per
+  // feature in some layouts) from one load, without the call.
+  if (limit > 0 && load_end - p >= 8) {
+    const uint64_t w = load_le64(p);
+    const uint64_t stops = ~w & kHighBits;
+    if (stops != 0) {
+      const size_t len = (static_cast<size_t>(__builtin_ctzll(stops)) >> 3) + 1;
+      if (len == static_cast<size_t>(end - p)) {
+        out[0] = static_cast<int64_t>(varint_of_keep<kPext>(w, len));
+        *count = 1;
+        return true;
+      }
+    }
+  }
+  return kPext ? decode_varints_bmi2(p, end, load_end, out, limit, count)
+               : decode_varints_portable(p, end, load_end, out, limit, count);
 }
 
 void copy_floats(const uint8_t* p, size_t n, float* out) {
@@ -880,6 +1026,7 @@ BatchParser::BatchParser(
   for (size_t s = 0; s < specs_.size(); ++s) {
     if (specs_[s].var_len) {
       var_index_[s] = static_cast<int64_t>(num_var_++);
+      var_specs_.push_back(s);
     }
     if (specs_[s].kind == FeatureKind::kBytes) {
       bytes_specs_.push_back(s);
@@ -889,6 +1036,27 @@ BatchParser::BatchParser(
         static_cast<size_t>(std::max<int64_t>(var_index_[s], 0)),
         specs_[s].kind,
         specs_[s].var_len});
+  }
+  key_patterns_.resize(specs_.size());
+  for (size_t s = 0; s < specs_.size(); ++s) {
+    const std::string& key = specs_[s].key;
+    if (key.size() + 3 > 16) {
+      continue;
+    }
+    uint8_t bytes[16] = {};
+    bytes[0] = 0x0a;
+    bytes[1] = static_cast<uint8_t>(key.size());
+    std::memcpy(bytes + 2, key.data(), key.size());
+    bytes[key.size() + 2] = 0x12;
+    KeyPattern& pat = key_patterns_[s];
+    pat.size = key.size() + 3;
+    pat.lo = load_le64(bytes);
+    pat.hi = load_le64(bytes + 8);
+    pat.lo_mask =
+        pat.size >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * pat.size)) - 1;
+    pat.hi_mask = pat.size <= 8 ? 0
+        : pat.size >= 16        ? ~uint64_t{0}
+                                : (uint64_t{1} << (8 * (pat.size - 8))) - 1;
   }
   all_specs_mask_ =
       specs_.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << specs_.size()) - 1;
@@ -948,7 +1116,7 @@ void BatchParser::scan(
 }
 
 template <bool kPext>
-bool BatchParser::scan_fast(
+TORCH_STAGE_ALWAYS_INLINE inline bool BatchParser::scan_fast_body(
     size_t i,
     const std::vector<FeatureOutput>& outs,
     KeyIndex::Order* order,
@@ -957,6 +1125,8 @@ bool BatchParser::scan_fast(
   const RecordRef& rec = records_[i];
   const uint8_t* p = rec.data;
   const uint8_t* const end = rec.data + rec.size;
+  const uint8_t* const load_end =
+      rec.readable_end != nullptr ? rec.readable_end : end;
   size_t len = 0;
   // Example: one `features` field (1, length-delimited) that is the record.
   if (p == end || *p != 0x0a) {
@@ -978,51 +1148,71 @@ bool BatchParser::scan_fast(
       return false;
     }
     const uint8_t* const entry_end = p + len;
-    if (p == entry_end || *p != 0x0a) {
-      return false;
+    // The usual case: the key is the one that followed the previous key
+    // last time, compared with its field's framing in two masked words.
+    // Else (or near the end of the record) field by field, and find().
+    size_t s = keys_.guess(*order);
+    const KeyPattern* pat =
+        s < key_patterns_.size() ? &key_patterns_[s] : nullptr;
+    if (pat != nullptr && pat->size != 0 &&
+        pat->size < static_cast<size_t>(entry_end - p) && load_end - p >= 16 &&
+        ((load_le64(p) ^ pat->lo) & pat->lo_mask) == 0 &&
+        ((load_le64(p + 8) ^ pat->hi) & pat->hi_mask) == 0) {
+      keys_.accept_guess(order);
+      p += pat->size;
+    } else {
+      if (p == entry_end || *p != 0x0a) {
+        return false;
+      }
+      ++p;
+      size_t key_size = 0;
+      if (!fast_length(p, entry_end, end, &key_size)) {
+        return false;
+      }
+      const uint8_t* const key = p;
+      p += key_size;
+      if (p == entry_end || *p != 0x12) {
+        return false;
+      }
+      ++p;
+      s = keys_.find(key, key_size, order);
     }
-    ++p;
-    size_t key_size = 0;
-    if (!fast_length(p, entry_end, end, &key_size)) {
-      return false;
-    }
-    const uint8_t* const key = p;
-    p += key_size;
-    if (p == entry_end || *p != 0x12) {
-      return false;
-    }
-    ++p;
-    if (!fast_length(p, entry_end, end, &len) ||
-        len != static_cast<size_t>(entry_end - p)) {
-      return false;
-    }
-    const uint8_t* q = p; // the Feature
-    p = entry_end;
-    const size_t s = keys_.find(key, key_size, order);
-    if (s == KeyIndex::kNone) {
-      continue; // not parsed, as in the general walk
-    }
-    const uint64_t bit = uint64_t{1} << s;
-    const Compact& spec = compact_[s];
-    // A key seen twice (the last wins), an empty Feature, another list type
-    // or another field: the general walk decides.
-    if ((found & bit) != 0 || q == entry_end || *q != list_tag(spec.kind)) {
+    const uint64_t bit = s == KeyIndex::kNone ? 0 : uint64_t{1} << s;
+    // A key seen twice (the last wins): the general walk decides.
+    if ((found & bit) != 0) {
       return false;
     }
     found |= bit;
-    ++q;
-    if (!fast_length(q, entry_end, end, &len) ||
-        len != static_cast<size_t>(entry_end - q)) {
-      return false;
+    const Compact* spec = s == KeyIndex::kNone ? nullptr : &compact_[s];
+    const uint8_t* payload = nullptr;
+    // A numbers list of 1..122 bytes (the usual case) is framed by five
+    // bytes that its length alone gives: the Feature's length, the list's
+    // tag and length, the packed field's tag and length, each length one
+    // byte. One masked compare checks them all.
+    const auto rest = static_cast<size_t>(entry_end - p);
+    if (spec != nullptr && spec->kind != FeatureKind::kBytes && rest >= 6 &&
+        rest <= 128 && load_end - p >= 8) {
+      const uint64_t framing = (rest - 1) |
+          (uint64_t{list_tag(spec->kind)} << 8) | (uint64_t{rest - 3} << 16) |
+          (uint64_t{0x0a} << 24) | (uint64_t{rest - 5} << 32);
+      if ((load_le64(p) & 0xffffffffffull) == framing) {
+        payload = p + 5;
+      }
     }
-    if (spec.kind == FeatureKind::kBytes) {
-      views[s] = FeatureView{rec.data, true, spec.kind, q, len};
-      continue; // after the walk, by the general code
-    }
-    // The list: empty, or one packed `value` field (1) that is the list.
-    const uint8_t* payload = entry_end;
-    if (q != entry_end) {
-      if (*q != 0x0a) {
+    if (payload == nullptr) {
+      // Field by field: the Feature, and (for a key of the parse) its list.
+      if (!fast_length(p, entry_end, end, &len) ||
+          len != static_cast<size_t>(entry_end - p)) {
+        return false;
+      }
+      if (spec == nullptr) {
+        p = entry_end;
+        continue; // not parsed, as in the general walk
+      }
+      const uint8_t* q = p; // the Feature
+      // An empty Feature, another list type or another field: the general
+      // walk decides.
+      if (q == entry_end || *q != list_tag(spec->kind)) {
         return false;
       }
       ++q;
@@ -1030,24 +1220,42 @@ bool BatchParser::scan_fast(
           len != static_cast<size_t>(entry_end - q)) {
         return false;
       }
-      payload = q;
+      if (spec->kind == FeatureKind::kBytes) {
+        views[s] = FeatureView{rec.data, true, spec->kind, q, len};
+        p = entry_end;
+        continue; // after the walk, by the general code
+      }
+      // The list: empty, or one packed `value` field (1) that is the list.
+      payload = entry_end;
+      if (q != entry_end) {
+        if (*q != 0x0a) {
+          return false;
+        }
+        ++q;
+        if (!fast_length(q, entry_end, end, &len) ||
+            len != static_cast<size_t>(entry_end - q)) {
+          return false;
+        }
+        payload = q;
+      }
     }
+    p = entry_end;
     const size_t bytes = static_cast<size_t>(entry_end - payload);
-    const size_t fc = spec.fixed_count;
+    const size_t fc = spec->fixed_count;
     size_t values = 0;
-    if (spec.kind == FeatureKind::kInt64) {
-      if (spec.var_len) {
+    if (spec->kind == FeatureKind::kInt64) {
+      if (spec->var_len) {
         // At most one value per byte.
         auto* out = reinterpret_cast<int64_t*>(
             scratch->reserve(bytes * sizeof(int64_t)));
         if (!decode_packed_varints<kPext>(
-                payload, entry_end, end, out, bytes, &values)) {
+                payload, entry_end, load_end, out, bytes, &values)) {
           return false;
         }
       } else {
         auto* out = static_cast<int64_t*>(outs[s].values) + i * fc;
         if (!decode_packed_varints<kPext>(
-                payload, entry_end, end, out, fc, &values) ||
+                payload, entry_end, load_end, out, fc, &values) ||
             values != fc) {
           return false;
         }
@@ -1058,7 +1266,7 @@ bool BatchParser::scan_fast(
         return false;
       }
       values = bytes / 4;
-      if (!spec.var_len) {
+      if (!spec->var_len) {
         if (values != fc) {
           return false;
         }
@@ -1069,12 +1277,12 @@ bool BatchParser::scan_fast(
       copy_floats(
           payload, values, reinterpret_cast<float*>(scratch->reserve(bytes)));
     }
-    const size_t cell = i * num_var_ + spec.column;
+    const size_t cell = i * num_var_ + spec->column;
     // Rounded up so that int64 values after floats stay aligned.
     const size_t used =
         (values *
-             (spec.kind == FeatureKind::kInt64 ? sizeof(int64_t)
-                                               : sizeof(float)) +
+             (spec->kind == FeatureKind::kInt64 ? sizeof(int64_t)
+                                                : sizeof(float)) +
          7) &
         ~size_t{7};
     cells_[cell].decoded = scratch->at;
@@ -1091,6 +1299,26 @@ bool BatchParser::scan_fast(
     finish_feature(i, s, views[s], outs);
   }
   return true;
+}
+
+template <>
+TORCH_STAGE_TARGET_BMI2 bool BatchParser::scan_fast<true>(
+    size_t i,
+    const std::vector<FeatureOutput>& outs,
+    KeyIndex::Order* order,
+    Scratch* scratch,
+    FeatureView* views) {
+  return scan_fast_body<true>(i, outs, order, scratch, views);
+}
+
+template <>
+bool BatchParser::scan_fast<false>(
+    size_t i,
+    const std::vector<FeatureOutput>& outs,
+    KeyIndex::Order* order,
+    Scratch* scratch,
+    FeatureView* views) {
+  return scan_fast_body<false>(i, outs, order, scratch, views);
 }
 
 bool BatchParser::scan_one(
@@ -1281,12 +1509,8 @@ void BatchParser::fill(
     size_t begin,
     size_t end,
     const std::vector<FeatureOutput>& outs) {
-  const size_t ns = specs_.size();
   const size_t n = records_.size();
-  for (size_t s = 0; s < ns; ++s) {
-    if (!specs_[s].var_len) {
-      continue;
-    }
+  for (size_t s : var_specs_) {
     if (begin == 0 && outs[s].value_offsets != nullptr) {
       outs[s].value_offsets[0] = 0;
     }
@@ -1305,13 +1529,10 @@ void BatchParser::fill(
 }
 
 void BatchParser::fill_one(size_t i, const std::vector<FeatureOutput>& outs) {
-  const size_t ns = specs_.size();
-  for (size_t s = 0; s < ns; ++s) {
+  for (size_t column = 0; column < num_var_; ++column) {
+    const size_t s = var_specs_[column];
     const FeatureSpec& spec = specs_[s];
-    if (!spec.var_len) {
-      continue;
-    }
-    const size_t cell = i * num_var_ + static_cast<size_t>(var_index_[s]);
+    const size_t cell = i * num_var_ + column;
     const VarCell& c = cells_[cell];
     const int64_t first = counts_[cell];
     const int64_t first_byte = byte_counts_[cell];
@@ -1319,8 +1540,9 @@ void BatchParser::fill_one(size_t i, const std::vector<FeatureOutput>& outs) {
     if (c.fast) {
       // Numbers decoded by the scan: copy them (the next cell's first
       // element bounds this one's).
-      const size_t elem =
-          spec.kind == FeatureKind::kInt64 ? sizeof(int64_t) : sizeof(float);
+      const size_t elem = compact_[s].kind == FeatureKind::kInt64
+          ? sizeof(int64_t)
+          : sizeof(float);
       const int64_t next =
           i + 1 < records_.size() ? counts_[cell + num_var_] : totals_[s];
       const auto values = static_cast<size_t>(next - first);

@@ -95,6 +95,14 @@ class KeyIndex {
   }
   // The index of the key `key[0:n]`, or kNone. The guess is checked here,
   // inline (feature keys are a few bytes: a loop beats a call to memcmp).
+  // The key find() tries first (>= size(): none), and accepting it without
+  // find(): for a caller that matched the guessed key's bytes itself.
+  size_t guess(const Order& order) const {
+    return order.next_[order.previous_];
+  }
+  void accept_guess(Order* order) const {
+    order->previous_ = order->next_[order->previous_];
+  }
   size_t find(const uint8_t* key, size_t n, Order* order) const {
     const size_t guess = order->next_[order->previous_];
     if (guess < keys_.size()) {
@@ -216,6 +224,10 @@ void validate_specs(const std::vector<FeatureSpec>& specs);
 struct RecordRef {
   const uint8_t* data;
   size_t size;
+  // Where readable memory ends, if past the record (records of one batch
+  // lie in one buffer): the fast walk reads whole words up to here rather
+  // than copying a record's last bytes aside first. Null: the record's end.
+  const uint8_t* readable_end = nullptr;
 };
 
 // Where the parse writes one feature. Fixed-length: `values` holds
@@ -312,8 +324,17 @@ class BatchParser {
       KeyIndex::Order* order,
       Scratch* scratch,
       FeatureView* views);
+  // scan_fast<true> is compiled for BMI1/BMI2 (tzcnt, blsr, shlx, pext,
+  // popcnt) and runs only where has_fast_pext(); both are scan_fast_body.
   template <bool kPext>
   bool scan_fast(
+      size_t record,
+      const std::vector<FeatureOutput>& outs,
+      KeyIndex::Order* order,
+      Scratch* scratch,
+      FeatureView* views);
+  template <bool kPext>
+  bool scan_fast_body(
       size_t record,
       const std::vector<FeatureOutput>& outs,
       KeyIndex::Order* order,
@@ -336,6 +357,7 @@ class BatchParser {
   std::vector<int64_t> var_index_;
   size_t num_var_ = 0;
   std::vector<size_t> bytes_specs_; // specs of bytes, in spec order
+  std::vector<size_t> var_specs_; // var-length specs, in spec order
   // What the fast walk reads of each spec, packed (a FeatureSpec is large).
   struct Compact {
     size_t fixed_count;
@@ -344,6 +366,15 @@ class BatchParser {
     bool var_len;
   };
   std::vector<Compact> compact_;
+  // A map entry's bytes from its key field to its value's tag, for each
+  // spec: 0x0a, the key's length, the key, 0x12, as two little-endian words
+  // and masks, compared at once where the key is the guessed one (keys of
+  // up to 13 bytes; size 0 for longer ones, which find() compares).
+  struct KeyPattern {
+    uint64_t lo = 0, hi = 0, lo_mask = 0, hi_mask = 0;
+    size_t size = 0;
+  };
+  std::vector<KeyPattern> key_patterns_;
   uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
   // Per var-length cell, written by scan of that record only: the source,
   // and the counts of values (and bytes, for bytes lists); after count(),

@@ -71,8 +71,8 @@ std::vector<RecordRef> record_refs(
           "] = " + std::to_string(off[i]) + ", offsets[" +
           std::to_string(i + 1) + "] = " + std::to_string(off[i + 1]));
     }
-    refs[static_cast<size_t>(i)] =
-        RecordRef{base + off[i], static_cast<size_t>(off[i + 1] - off[i])};
+    refs[static_cast<size_t>(i)] = RecordRef{
+        base + off[i], static_cast<size_t>(off[i + 1] - off[i]), base + size};
   }
   return refs;
 }

@@ -755,8 +755,10 @@ class RecordInput:
 
     def stats(self) -> dict:
         """``files``, ``readers``, ``records_read``, ``records_out``,
-        ``batches_out``, ``errors``, ``pool_size``, ``epoch``, ``started``,
-        ``closed``."""
+        ``batches_out``, ``errors``, ``pool_size``, ``epoch``,
+        ``buffer_bytes`` (the file blocks the pool's records lie in, as of
+        the last batch: the pool's memory), ``records_compacted`` (records
+        moved to free a nearly empty block), ``started``, ``closed``."""
         return self._handle.stats()
 
     def __enter__(self) -> RecordInput:

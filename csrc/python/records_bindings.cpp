@@ -372,6 +372,8 @@ py::dict input_stats(const Input& input) {
   d["errors"] = s.errors;
   d["pool_size"] = s.pool_size;
   d["epoch"] = s.epoch;
+  d["buffer_bytes"] = s.buffer_bytes;
+  d["records_compacted"] = s.records_compacted;
   d["started"] = s.started;
   d["closed"] = s.closed;
   return d;

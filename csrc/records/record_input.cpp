@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <utility>
 
@@ -24,7 +25,8 @@ uint64_t splitmix64(uint64_t x) {
 // Uniform in [0, n) by rejection: std::uniform_int_distribution's output is
 // implementation-defined, and a fixed seed must give the same order with
 // every standard library.
-uint64_t bounded(std::mt19937_64& rng, uint64_t n) {
+template <typename Rng>
+uint64_t bounded(Rng& rng, uint64_t n) {
   const uint64_t limit = (0 - n) % n; // 2^64 mod n
   while (true) {
     const uint64_t r = rng();
@@ -33,6 +35,44 @@ uint64_t bounded(std::mt19937_64& rng, uint64_t n) {
     }
   }
 }
+
+// The generator's values, kAhead of them known in advance: the mixer
+// prefetches the pool entries (and then the records) that draws a few steps
+// on will pick, had the pool its size now. The values, and so the draws, are
+// the generator's own; a guess that turns out wrong only wasted a prefetch.
+class LookaheadRng {
+ public:
+  static constexpr size_t kAhead = 16;
+  explicit LookaheadRng(uint64_t seed) : rng_(seed) {
+    for (auto& v : ahead_) {
+      v = rng_();
+    }
+  }
+  uint64_t operator()() {
+    const uint64_t v = ahead_[at_];
+    ahead_[at_] = rng_();
+    at_ = (at_ + 1) % kAhead;
+    return v;
+  }
+  // The value the k-th call from now returns (k < kAhead).
+  uint64_t peek(size_t k) const {
+    return ahead_[(at_ + k) % kAhead];
+  }
+
+ private:
+  std::mt19937_64 rng_;
+  uint64_t ahead_[kAhead];
+  size_t at_ = 0;
+};
+
+// Compaction (see the header): the blocks it moves records into, and how
+// many of them above twice the pool's record bytes (and the blocks the
+// readers' cursors are in) the held blocks may go first.
+constexpr size_t kCompactBlockBytes = 256 * 1024;
+constexpr size_t kCompactSlackBlocks = 8;
+// How many draws ahead the mixer prefetches a pool entry (and half as many,
+// the record it points to).
+constexpr size_t kPrefetchDraws = 8;
 
 [[noreturn]] void invalid(const std::string& message) {
   throw RecordError(RecordErrorKind::kInvalidArgument, message);
@@ -45,8 +85,6 @@ void check_at_least(const char* name, int64_t value, int64_t minimum) {
         ", got " + std::to_string(value));
   }
 }
-
-constexpr size_t kChunkBytes = 256 * 1024;
 
 // Names the calling thread (at most 15 characters on Linux), so that top,
 // perf and a benchmark's per-thread CPU times tell readers from the mixer.
@@ -177,6 +215,8 @@ RecordInputStats RecordInput::stats() const {
   s.errors = errors_.load();
   s.pool_size = pool_size_.load();
   s.epoch = epoch_.load();
+  s.buffer_bytes = buffer_bytes_.load();
+  s.records_compacted = records_compacted_.load();
   std::lock_guard<std::mutex> lock(lifecycle_mu_);
   s.started = started_;
   s.closed = closed_;
@@ -215,7 +255,7 @@ void RecordInput::reader_main(size_t k) {
         Chunk chunk;
         auto send_records = [&] {
           records_read_.fetch_add(
-              static_cast<int64_t>(chunk.ends.size()),
+              static_cast<int64_t>(chunk.records.size()),
               std::memory_order_relaxed);
           if (!send(chunk)) {
             return false;
@@ -225,20 +265,24 @@ void RecordInput::reader_main(size_t k) {
         };
         try {
           RecordReader reader(order[j], options_.compression);
+          RecordSpan record;
           while (!stop_.load(std::memory_order_relaxed)) {
-            if (chunk.data.capacity() == 0) {
-              chunk.data.reserve(kChunkBytes);
-              chunk.ends.reserve(static_cast<size_t>(
-                  std::min<int64_t>(options_.chunk_records, 4096)));
-            }
-            // Straight into the chunk: the record is copied once, there.
-            if (!reader.read_append(&chunk.data)) {
+            if (!reader.next(&record)) {
               break;
             }
-            chunk.ends.push_back(chunk.data.size());
-            if (chunk.ends.size() >=
-                    static_cast<size_t>(options_.chunk_records) ||
-                chunk.data.size() >= kChunkBytes) {
+            // A chunk is records of one block: the reader went on in a new
+            // one, so the chunk so far goes first.
+            if (chunk.block != reader.block()) {
+              if (!chunk.records.empty() && !send_records()) {
+                return;
+              }
+              chunk.block = reader.block();
+              chunk.records.reserve(static_cast<size_t>(
+                  std::min<int64_t>(options_.chunk_records, 4096)));
+            }
+            chunk.records.push_back(record);
+            if (chunk.records.size() >=
+                static_cast<size_t>(options_.chunk_records)) {
               if (!send_records()) {
                 return;
               }
@@ -248,7 +292,7 @@ void RecordInput::reader_main(size_t k) {
           // Deliver what was read before the error, then the error.
           Chunk failed;
           failed.error = std::current_exception();
-          if ((!chunk.ends.empty() && !send_records()) || !send(failed)) {
+          if ((!chunk.records.empty() && !send_records()) || !send(failed)) {
             return;
           }
           continue;
@@ -256,7 +300,7 @@ void RecordInput::reader_main(size_t k) {
         if (stop_.load()) {
           return;
         }
-        if (!chunk.ends.empty() && !send_records()) {
+        if (!chunk.records.empty() && !send_records()) {
           return;
         }
       }
@@ -275,8 +319,38 @@ void RecordInput::reader_main(size_t k) {
   }
 }
 
+uint32_t RecordInput::hold(
+    const std::shared_ptr<RecordBlock>& block,
+    uint32_t hint) {
+  if (hint != kNoSlot && held_[hint].block == block) {
+    ++held_[hint].live;
+    return hint;
+  }
+  uint32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<uint32_t>(held_.size());
+    held_.emplace_back();
+  }
+  held_[slot].block = block;
+  held_[slot].live = 1;
+  held_bytes_ += block->capacity;
+  return slot;
+}
+
+void RecordInput::release(uint32_t slot) {
+  HeldBlock& h = held_[slot];
+  if (--h.live == 0) {
+    held_bytes_ -= h.block->capacity;
+    h.block.reset();
+    free_slots_.push_back(slot);
+  }
+}
+
 RecordInput::Pull RecordInput::pull(
-    RecordView* record,
+    PoolRecord* record,
     std::exception_ptr* error) {
   while (true) {
     if (active_ == 0) {
@@ -298,11 +372,18 @@ RecordInput::Pull RecordInput::pull(
     }
     const size_t r = turn_;
     Cursor& cur = cursors_[r];
-    if (cur.next >= cur.chunk.ends.size()) {
+    if (cur.next >= cur.chunk.records.size()) {
       Chunk chunk;
       const BufferStatus status = queues_[r]->take(chunk);
       if (status != BufferStatus::kOk) {
         return Pull::kStopped;
+      }
+      // Hold the new chunk's block before letting go of the last one's,
+      // which is often the same block.
+      const uint32_t previous = cur.slot;
+      cur.slot = chunk.records.empty() ? kNoSlot : hold(chunk.block, previous);
+      if (previous != kNoSlot) {
+        release(previous);
       }
       cur.chunk = std::move(chunk);
       cur.next = 0;
@@ -320,13 +401,15 @@ RecordInput::Pull RecordInput::pull(
         turn_ = (r + 1) % readers_;
         continue;
       }
-      if (cur.chunk.ends.empty()) {
+      if (cur.chunk.records.empty()) {
         continue;
       }
     }
-    const size_t begin = cur.next == 0 ? 0 : cur.chunk.ends[cur.next - 1];
-    record->data = cur.chunk.data.data() + begin;
-    record->size = cur.chunk.ends[cur.next] - begin;
+    const RecordSpan& span = cur.chunk.records[cur.next];
+    record->data = span.data;
+    record->size = span.size;
+    record->slot = cur.slot;
+    ++held_[cur.slot].live;
     ++cur.next;
     ++epoch_records_;
     turn_ = (r + 1) % readers_;
@@ -361,23 +444,26 @@ void RecordInput::mixer_main() {
   const size_t capacity = static_cast<size_t>(options_.buffer_size);
   const size_t threshold = (capacity + 1) / 2;
   const size_t batch_size = static_cast<size_t>(options_.batch_size);
-  std::mt19937_64 rng(splitmix64(seed_));
+  LookaheadRng rng(splitmix64(seed_));
   // buffer_size and batch_size are upper bounds: reserve at most a modest
   // start, so a huge one (2**40) cannot fail here, outside the try below,
   // before any record is read (std::terminate on this thread).
   constexpr size_t kReserveRecords = size_t{1} << 16;
   constexpr size_t kReserveBytes = size_t{64} << 20;
-  // The pool's first `pool_size` buffers are its records. Drawn records are
-  // swapped to the end, not destroyed, so every slot keeps its allocation and
-  // refills without an allocation once the pool has been full.
-  std::vector<std::vector<uint8_t>> pool;
+  // The pool's first `pool_size` entries are its records (where they lie);
+  // a drawn record is swapped to the end.
+  std::vector<PoolRecord> pool;
   pool.reserve(std::min(capacity, kReserveRecords));
   size_t pool_size = 0;
+  size_t pool_bytes = 0; // of the records in the pool
   int64_t out_unreported = 0; // records out since records_out_ was updated
   bool exhausted = false;
   bool barren = false; // end with no_records_error() once the pool drains
   bool emitting = false; // set once the pool first reaches the threshold
   size_t mean_record = 256; // running estimate, to reserve batch buffers
+  // Compaction's own block, which it moves records into (a slot of held_).
+  uint32_t compact_slot = kNoSlot;
+  size_t compact_used = 0;
 
   auto fresh_batch = [&] {
     Item item;
@@ -390,14 +476,16 @@ void RecordInput::mixer_main() {
     return item;
   };
   Item current;
-  // The record drawn last, not yet in `current` (see the draw below).
-  std::vector<uint8_t> drawn;
+  // The record drawn last, not yet in `current` (see the draw below); it
+  // still counts as a reference to its block.
+  PoolRecord drawn;
   bool has_drawn = false;
-  auto append = [&](const std::vector<uint8_t>& rec) {
+  auto append = [&](const PoolRecord& rec) {
     auto& batch = current.batch;
-    batch.data.insert(batch.data.end(), rec.begin(), rec.end());
+    batch.data.insert(batch.data.end(), rec.data, rec.data + rec.size);
     batch.offsets.push_back(static_cast<int64_t>(batch.data.size()));
-    mean_record = (mean_record * 7 + rec.size()) / 8 + 1;
+    mean_record = (mean_record * 7 + rec.size) / 8 + 1;
+    release(rec.slot);
   };
   auto append_drawn = [&] {
     if (has_drawn) {
@@ -406,9 +494,82 @@ void RecordInput::mixer_main() {
     }
   };
 
+  // Moves the records of the held blocks with the fewest of them into
+  // compaction blocks and frees those: the emptiest first, until the held
+  // bytes would be down to 1.5x the pool's record bytes and the slack (so a
+  // pass, which reads the whole pool, frees several blocks at once). Blocks
+  // a cursor still reads from are left alone (they cannot be freed yet), as
+  // is the compaction block being filled.
+  std::vector<uint32_t> order;
+  std::vector<char> moving;
+  auto compact = [&](size_t slack) {
+    append_drawn(); // its block may be one of those moved
+    order.clear();
+    for (uint32_t slot = 0; slot < held_.size(); ++slot) {
+      bool skip = held_[slot].block == nullptr || slot == compact_slot;
+      for (const Cursor& c : cursors_) {
+        skip = skip || c.slot == slot;
+      }
+      if (!skip) {
+        order.push_back(slot);
+      }
+    }
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return held_[a].live < held_[b].live;
+    });
+    moving.assign(held_.size(), 0);
+    const size_t goal = pool_bytes + pool_bytes / 2 + slack;
+    size_t after = held_bytes_;
+    bool any = false;
+    for (uint32_t slot : order) {
+      if (after <= goal) {
+        break;
+      }
+      moving[slot] = 1;
+      any = true;
+      after -= held_[slot].block->capacity;
+    }
+    if (!any) {
+      return;
+    }
+    int64_t moved = 0;
+    for (size_t k = 0; k < pool_size; ++k) {
+      PoolRecord& rec = pool[k];
+      if (!moving[rec.slot]) {
+        continue;
+      }
+      if (compact_slot == kNoSlot ||
+          compact_used + rec.size > held_[compact_slot].block->capacity) {
+        auto block = std::make_shared<RecordBlock>();
+        block->capacity = std::max(kCompactBlockBytes, rec.size);
+        block->bytes.reset(new uint8_t[block->capacity]);
+        const uint32_t previous = compact_slot;
+        compact_slot = hold(block, kNoSlot); // the mixer's own reference
+        compact_used = 0;
+        if (previous != kNoSlot) {
+          release(previous);
+        }
+        if (moving.size() < held_.size()) {
+          moving.resize(held_.size(), 0);
+        }
+      }
+      uint8_t* to = held_[compact_slot].block->bytes.get() + compact_used;
+      std::memcpy(to, rec.data, rec.size);
+      compact_used += rec.size;
+      ++held_[compact_slot].live;
+      release(rec.slot);
+      rec.data = to;
+      rec.slot = compact_slot;
+      ++moved;
+    }
+    records_compacted_.fetch_add(moved, std::memory_order_relaxed);
+  };
+
   auto emit = [&](Item& item) {
     records_out_.fetch_add(
         std::exchange(out_unreported, 0), std::memory_order_relaxed);
+    buffer_bytes_.store(
+        static_cast<int64_t>(held_bytes_), std::memory_order_relaxed);
     if (output_.put(item) != BufferStatus::kOk) {
       return false;
     }
@@ -426,7 +587,7 @@ void RecordInput::mixer_main() {
         pulls = emitting ? 2 : 1;
       }
       for (size_t p = 0; p < pulls && pool_size < capacity; ++p) {
-        RecordView record;
+        PoolRecord record;
         std::exception_ptr error;
         const Pull got = pull(&record, &error);
         if (got == Pull::kStopped) {
@@ -453,10 +614,17 @@ void RecordInput::mixer_main() {
         if (pool_size == pool.size()) {
           pool.emplace_back();
         }
-        pool[pool_size++].assign(record.data, record.data + record.size);
+        pool[pool_size++] = record;
+        pool_bytes += record.size;
       }
       pool_size_.store(
           static_cast<int64_t>(pool_size), std::memory_order_relaxed);
+      // The slack: the blocks cursors read from, and a few more.
+      const size_t slack =
+          (readers_ + kCompactSlackBlocks) * kCompactBlockBytes;
+      if (held_bytes_ > 2 * pool_bytes + slack) {
+        compact(slack);
+      }
 
       if (pool_size == 0 && exhausted) {
         append_drawn();
@@ -488,21 +656,31 @@ void RecordInput::mixer_main() {
       // cache, so a record that does not end its batch is only prefetched
       // now and copied into the batch at the next draw (same order, same
       // batches), its miss hidden behind the pulls between.
+      // A draw several steps on (one value each, if none is rejected, which
+      // happens with probability pool_size / 2^64) picks about this entry:
+      // its descriptor now, its bytes a few draws later, when the
+      // descriptor is in the cache.
+      {
+        const size_t soon = rng.peek(kPrefetchDraws) % pool_size;
+        const PoolRecord& next = pool[rng.peek(kPrefetchDraws / 2) % pool_size];
+        __builtin_prefetch(&pool[soon]);
+        for (size_t at = 0; at < next.size && at < 512; at += 64) {
+          __builtin_prefetch(next.data + at);
+        }
+      }
       const size_t j = static_cast<size_t>(bounded(rng, pool_size));
       std::swap(pool[j], pool[--pool_size]);
+      const PoolRecord rec = pool[pool_size];
+      pool_bytes -= rec.size;
       ++out_unreported;
       auto& batch = current.batch;
       append_drawn();
       if (batch.size() + 1 < batch_size) {
-        // pool[pool_size] now holds the spare buffer the next pull fills.
-        std::swap(drawn, pool[pool_size]);
+        drawn = rec;
         has_drawn = true;
-        for (size_t at = 0; at < drawn.size(); at += 64) {
-          __builtin_prefetch(drawn.data() + at);
-        }
         continue;
       }
-      append(pool[pool_size]);
+      append(rec);
       if (batch.size() == batch_size) {
         batches_out_.fetch_add(1, std::memory_order_relaxed);
         if (!emit(current)) {

@@ -11,7 +11,9 @@
 //     -> R reader threads, R = min(parallelism, files); each epoch the file
 //        list is shuffled by (seed, epoch), rotated by shift_ratio * files,
 //        and file j goes to reader j % R. Each reader sends its records, in
-//        chunks, through its own bounded queue.
+//        chunks, through its own bounded queue. A record stays where the
+//        reader read it, in a block of its file (RecordBlock): a chunk is
+//        the block (shared) and where its records lie.
 //     -> one mixer thread takes records from the readers in strict
 //        round-robin order (record by record; a reader that finished the
 //        epoch is skipped until every reader has), keeps a pool of at most
@@ -21,6 +23,15 @@
 //        drawn uniformly from the pool by a generator seeded with `seed`.
 //     -> batches of batch_size records (one flat byte buffer + offsets)
 //        in a bounded output queue of `prefetch_batches`.
+//
+// Copies and memory: a record's bytes are copied once on the way, from its
+// block into its batch (the pool holds where records lie, not their bytes;
+// the reads themselves are read(2) into the blocks). A block is freed when
+// the last of its records leaves the pool, which, with records drawn at
+// random, takes several times as long as the average record stays: to hold
+// the blocks to about twice the bytes of the pool's records (plus 8 blocks),
+// the mixer moves the few records left in its emptiest block into a block of
+// its own and frees that one ("compaction"; ~0.1-0.3 copies per record).
 //
 // Determinism
 // -----------
@@ -123,6 +134,11 @@ struct RecordInputStats {
   int64_t errors = 0; // reader errors passed on
   int64_t pool_size = 0; // records in the shuffle pool now
   int64_t epoch = 0; // the epoch the mixer is taking records from
+  // Bytes of the file blocks the pool's records lie in (the records and the
+  // rest of their blocks), as of the last batch.
+  int64_t buffer_bytes = 0;
+  // Records compaction moved out of an emptied block (see Copies above).
+  int64_t records_compacted = 0;
   bool started = false;
   bool closed = false;
 };
@@ -165,10 +181,9 @@ class RecordInput {
 
  private:
   struct Chunk {
-    // Records back to back (one allocation per chunk, not per record):
-    // record k is data[k == 0 ? 0 : ends[k - 1] : ends[k]].
-    std::vector<uint8_t> data;
-    std::vector<size_t> ends;
+    // Records of one block of a file, where the reader read them.
+    std::shared_ptr<RecordBlock> block;
+    std::vector<RecordSpan> records;
     std::exception_ptr error; // a chunk is records, or an error, or
     bool end_of_epoch = false; // the end of the reader's epoch
     // The error is not a data error (e.g. out of memory): the reader has
@@ -189,12 +204,18 @@ class RecordInput {
   void reader_main(size_t reader);
   void mixer_main();
   std::exception_ptr no_records_error() const;
-  // A record of the cursor's chunk, valid until the cursor takes the next.
-  struct RecordView {
+  // A record and the slot of held_ whose block it lies in.
+  struct PoolRecord {
     const uint8_t* data = nullptr;
     size_t size = 0;
+    uint32_t slot = 0;
   };
-  Pull pull(RecordView* record, std::exception_ptr* error);
+  Pull pull(PoolRecord* record, std::exception_ptr* error);
+  // The slot holding `block`: `hint` if it already does, else a new one.
+  // Either way one more reference (live) is counted.
+  uint32_t hold(const std::shared_ptr<RecordBlock>& block, uint32_t hint);
+  // One reference fewer; the block is freed with the last one.
+  void release(uint32_t slot);
 
   const RecordInputOptions options_;
   std::vector<std::string> files_;
@@ -215,10 +236,23 @@ class RecordInput {
   bool closed_ = false;
 
   // Mixer state: touched only by the mixer thread.
+  static constexpr uint32_t kNoSlot = ~uint32_t{0};
   struct Cursor {
     Chunk chunk;
     size_t next = 0;
+    // The slot of chunk.block while the chunk has records to give: the
+    // cursor holds one reference to it, so it outlives the chunk's records
+    // the pool has drawn already.
+    uint32_t slot = kNoSlot;
   };
+  // Blocks that records in the pool (or a cursor) lie in, with how many.
+  struct HeldBlock {
+    std::shared_ptr<RecordBlock> block;
+    size_t live = 0;
+  };
+  std::vector<HeldBlock> held_;
+  std::vector<uint32_t> free_slots_;
+  size_t held_bytes_ = 0; // capacity of the blocks in held_
   std::vector<Cursor> cursors_;
   std::vector<bool> epoch_done_;
   size_t active_ = 0; // readers not yet done with epoch_
@@ -235,6 +269,8 @@ class RecordInput {
   std::atomic<int64_t> errors_{0};
   std::atomic<int64_t> pool_size_{0};
   std::atomic<int64_t> epoch_{0};
+  std::atomic<int64_t> buffer_bytes_{0};
+  std::atomic<int64_t> records_compacted_{0};
 };
 
 } // namespace torch_stage::records

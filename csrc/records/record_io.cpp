@@ -1,13 +1,17 @@
 #include "records/record_io.h"
 
+#include <fcntl.h>
 #include <glob.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <limits>
 #include <sstream>
 
 #include "records/crc32c.h"
@@ -43,6 +47,8 @@ const char* to_string(RecordErrorKind kind) {
 namespace {
 
 constexpr size_t kIoBuffer = 256 * 1024;
+// A reader's blocks: ~720 Criteo-like rows, one read(2) each.
+constexpr size_t kBlockBytes = 256 * 1024;
 // A record's bytes are read in pieces of at most this much, so a corrupt
 // length (that still passed its CRC, or a fuzzed one) costs at most what the
 // file really holds, never an up-front allocation of `length` bytes.
@@ -83,69 +89,85 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
-// The raw bytes of a file, buffered by stdio.
+// The raw bytes of a file, read with read(2): the RecordReader buffers them
+// itself, in blocks it can hand out.
 class FileInput : public InputStream {
  public:
   explicit FileInput(const std::string& path) : path_(path) {
-    file_ = std::fopen(path.c_str(), "rb");
-    if (file_ == nullptr) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) {
       const int err = errno;
       throw RecordError(
           err == ENOENT ? RecordErrorKind::kNotFound : RecordErrorKind::kIo,
           "cannot open TFRecord file '" + path + "': " + errno_text(err),
           path);
     }
-    std::setvbuf(file_, nullptr, _IOFBF, kIoBuffer);
     struct stat st;
-    if (::fstat(::fileno(file_), &st) == 0 && S_ISREG(st.st_mode)) {
+    if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) {
       size_at_open_ = static_cast<uint64_t>(st.st_size);
+#if defined(POSIX_FADV_SEQUENTIAL)
+      ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+#endif
     }
   }
   ~FileInput() override {
-    std::fclose(file_);
+    ::close(fd_);
   }
 
   size_t read(void* dst, size_t n) override {
-#if defined(__GLIBC__)
-    // One thread reads a reader's file (record_io.h), and a record takes
-    // three reads (header, data, footer): stdio's per-call lock is not
-    // needed.
-    const size_t got = ::fread_unlocked(dst, 1, n, file_);
-    if (got < n && ::ferror_unlocked(file_)) {
-#else
-    const size_t got = std::fread(dst, 1, n, file_);
-    if (got < n && std::ferror(file_)) {
-#endif
-      const int err = errno;
-      throw RecordError(
-          RecordErrorKind::kIo,
-          "cannot read TFRecord file '" + path_ + "': " + errno_text(err),
-          path_);
+    if (deferred_) {
+      std::rethrow_exception(deferred_);
     }
-    position_ += got;
-    // A file cut shorter after it was opened (truncated or rewritten in
-    // place) would otherwise end "cleanly" at a record boundary and lose
-    // the rest without a word: report the change instead.
-    if (got < n && position_ < size_at_open_) {
-      throw RecordError(
-          RecordErrorKind::kIo,
-          "TFRecord file '" + path_ + "' shrank while being read: it held " +
-              std::to_string(size_at_open_) +
-              " bytes when opened, reading ends at byte " +
-              std::to_string(position_) + " (was it truncated or rewritten?)",
-          path_,
-          static_cast<int64_t>(position_));
+    size_t got = 0;
+    try {
+      while (got < n) {
+        const ssize_t r = ::read(fd_, static_cast<char*>(dst) + got, n - got);
+        if (r < 0) {
+          const int err = errno;
+          if (err == EINTR) {
+            continue;
+          }
+          throw RecordError(
+              RecordErrorKind::kIo,
+              "cannot read TFRecord file '" + path_ + "': " + errno_text(err),
+              path_);
+        }
+        if (r == 0) {
+          break;
+        }
+        got += static_cast<size_t>(r);
+        position_ += static_cast<uint64_t>(r);
+      }
+      // A file cut shorter after it was opened (truncated or rewritten in
+      // place) would otherwise end "cleanly" at a record boundary and lose
+      // the rest without a word: report the change instead.
+      if (got < n && position_ < size_at_open_) {
+        throw RecordError(
+            RecordErrorKind::kIo,
+            "TFRecord file '" + path_ + "' shrank while being read: it held " +
+                std::to_string(size_at_open_) +
+                " bytes when opened, reading ends at byte " +
+                std::to_string(position_) + " (was it truncated or rewritten?)",
+            path_,
+            static_cast<int64_t>(position_));
+      }
+    } catch (const RecordError&) {
+      if (got == 0) {
+        throw;
+      }
+      deferred_ = std::current_exception();
     }
     return got;
   }
 
  private:
   std::string path_;
-  std::FILE* file_ = nullptr;
+  int fd_ = -1;
   uint64_t position_ = 0; // bytes read so far
   // The size of a regular file when opened; 0 for pipes and the like, whose
   // size says nothing.
   uint64_t size_at_open_ = 0;
+  std::exception_ptr deferred_;
 };
 
 // Inflates a GZIP (windowBits 16+15) or ZLIB (15) stream read from a file.
@@ -168,7 +190,26 @@ class ZlibInput : public InputStream {
   }
 
   size_t read(void* dst, size_t n) override {
+    if (deferred_) {
+      std::rethrow_exception(deferred_);
+    }
     size_t produced = 0;
+    try {
+      produce(dst, n, &produced);
+    } catch (const RecordError&) {
+      if (produced == 0) {
+        throw;
+      }
+      deferred_ = std::current_exception();
+    }
+    return produced;
+  }
+
+ private:
+  // Inflates into dst until n bytes or the stream's end; *produced counts
+  // the bytes written so far, also when it throws.
+  void produce(void* dst, size_t n, size_t* produced_out) {
+    size_t& produced = *produced_out;
     while (produced < n && !done_) {
       if (z_.avail_in == 0 && !file_eof_) {
         const size_t got = file_.read(in_.data(), in_.size());
@@ -234,10 +275,8 @@ class ZlibInput : public InputStream {
             static_cast<int64_t>(consumed_));
       }
     }
-    return produced;
   }
 
- private:
   std::string path_;
   FileInput file_;
   bool gzip_;
@@ -248,6 +287,7 @@ class ZlibInput : public InputStream {
   // True while inside a (gzip) member whose end marker is not yet seen.
   bool member_started_ = false;
   uint64_t consumed_ = 0;
+  std::exception_ptr deferred_;
 };
 
 } // namespace
@@ -368,29 +408,64 @@ void RecordReader::fail(
   throw RecordError(kind, msg.str(), path_, static_cast<int64_t>(at), index_);
 }
 
-size_t RecordReader::read_fully(void* dst, size_t n) {
-  size_t got = 0;
-  while (got < n) {
-    const size_t r = in_->read(static_cast<char*>(dst) + got, n - got);
-    if (r == 0) {
-      break;
+size_t RecordReader::fill(size_t n) {
+  while (end_ - begin_ < n && !eof_) {
+    const size_t held = end_ - begin_;
+    if (block_ == nullptr || end_ == block_->capacity) {
+      // Room for the rest of n, growing at most to twice the block (and
+      // kReadPiece) at a time: a corrupt length (one that passed its CRC, or
+      // a fuzzed one) costs about what the stream really holds, never an
+      // allocation of `length`, and a huge record still copies in linear
+      // time.
+      const size_t cap = block_ == nullptr ? 0 : block_->capacity;
+      const size_t want = std::max(
+          kBlockBytes, std::min(n, std::max(2 * cap, held + kReadPiece)));
+      if (block_ != nullptr && block_.use_count() == 1 &&
+          block_->capacity >= want) {
+        // Nobody else holds the records before begin_: reuse the block.
+        std::memmove(block_->bytes.get(), block_->bytes.get() + begin_, held);
+      } else {
+        auto fresh = std::make_shared<RecordBlock>();
+        fresh->bytes.reset(new uint8_t[want]);
+        fresh->capacity = want;
+        if (held > 0) {
+          std::memcpy(fresh->bytes.get(), block_->bytes.get() + begin_, held);
+        }
+        block_ = std::move(fresh);
+      }
+      begin_ = 0;
+      end_ = held;
     }
-    got += r;
+    const size_t got =
+        in_->read(block_->bytes.get() + end_, block_->capacity - end_);
+    if (got == 0) {
+      eof_ = true;
+    }
+    end_ += got;
   }
-  return got;
+  return std::min(end_ - begin_, n);
 }
 
 bool RecordReader::read(std::string* out) {
-  out->clear();
-  return read_into(out);
+  RecordSpan rec;
+  if (!next(&rec)) {
+    out->clear();
+    return false;
+  }
+  out->assign(reinterpret_cast<const char*>(rec.data), rec.size);
+  return true;
 }
 
 bool RecordReader::read_append(std::vector<uint8_t>* out) {
-  return read_into(out);
+  RecordSpan rec;
+  if (!next(&rec)) {
+    return false;
+  }
+  out->insert(out->end(), rec.data, rec.data + rec.size);
+  return true;
 }
 
-template <typename Buffer>
-bool RecordReader::read_into(Buffer* out) {
+bool RecordReader::next(RecordSpan* out) {
   if (failed_) {
     throw RecordError(
         RecordErrorKind::kIo,
@@ -401,14 +476,14 @@ bool RecordReader::read_into(Buffer* out) {
         index_);
   }
   const uint64_t start = offset_;
-  const size_t base = out->size();
   try {
-    uint8_t header[12];
-    const size_t got = read_fully(header, sizeof(header));
+    constexpr size_t kHeader = 12;
+    constexpr size_t kFooter = 4;
+    const size_t got = fill(kHeader);
     if (got == 0) {
       return false;
     }
-    if (got < sizeof(header)) {
+    if (got < kHeader) {
       fail(
           RecordErrorKind::kTruncated,
           start,
@@ -416,6 +491,7 @@ bool RecordReader::read_into(Buffer* out) {
           "the file ends after " +
               std::to_string(got) + " bytes");
     }
+    const uint8_t* header = block_->bytes.get() + begin_;
     const uint64_t length = load_le64(header);
     const uint32_t stored = load_le32(header + 8);
     const uint32_t expected = mask_crc(crc32c(header, 8));
@@ -426,36 +502,30 @@ bool RecordReader::read_into(Buffer* out) {
           "length CRC mismatch: expected masked crc32c " + hex32(expected) +
               " of the length field, found " + hex32(stored));
     }
-    uint64_t remaining = length;
-    while (remaining > 0) {
-      const size_t piece =
-          static_cast<size_t>(std::min<uint64_t>(remaining, kReadPiece));
-      const size_t old = out->size();
-      out->resize(old + piece);
-      const size_t r = read_fully(&(*out)[old], piece);
-      if (r < piece) {
-        fail(
-            RecordErrorKind::kTruncated,
-            start,
-            "expected " + std::to_string(length) +
-                " data bytes, the file ends after " +
-                std::to_string(old - base + r));
-      }
-      remaining -= piece;
+    // Bounded so that the sum below cannot wrap; such a record cannot be
+    // in a stream anyway, and fill() finds where the stream ends.
+    const size_t data_size = static_cast<size_t>(
+        std::min<uint64_t>(length, std::numeric_limits<size_t>::max() / 2));
+    const size_t have = fill(kHeader + data_size);
+    if (have < kHeader + data_size) {
+      fail(
+          RecordErrorKind::kTruncated,
+          start,
+          "expected " + std::to_string(length) +
+              " data bytes, the file ends after " +
+              std::to_string(have - kHeader));
     }
-    uint8_t footer[4];
-    const size_t f = read_fully(footer, sizeof(footer));
-    if (f < sizeof(footer)) {
+    const size_t f = fill(kHeader + data_size + kFooter) - kHeader - data_size;
+    if (f < kFooter) {
       fail(
           RecordErrorKind::kTruncated,
           start,
           "expected a 4-byte data CRC after " + std::to_string(length) +
               " data bytes, the file ends after " + std::to_string(f));
     }
-    const uint32_t stored_data = load_le32(footer);
-    const uint32_t expected_data = mask_crc(crc32c(
-        reinterpret_cast<const uint8_t*>(out->data()) + base,
-        out->size() - base));
+    const uint8_t* data = block_->bytes.get() + begin_ + kHeader;
+    const uint32_t stored_data = load_le32(data + data_size);
+    const uint32_t expected_data = mask_crc(crc32c(data, data_size));
     if (stored_data != expected_data) {
       fail(
           RecordErrorKind::kCorrupt,
@@ -464,12 +534,14 @@ bool RecordReader::read_into(Buffer* out) {
               " of " + std::to_string(length) + " data bytes, found " +
               hex32(stored_data));
     }
-    offset_ = start + sizeof(header) + length + sizeof(footer);
+    out->data = data;
+    out->size = data_size;
+    begin_ += kHeader + data_size + kFooter;
+    offset_ = start + kHeader + length + kFooter;
     ++index_;
     return true;
   } catch (const RecordError& e) {
     failed_ = true;
-    out->resize(base);
     if (e.record_index() >= 0) {
       throw;
     }

@@ -53,8 +53,25 @@ std::vector<std::string> shard_files(
 class InputStream {
  public:
   virtual ~InputStream() = default;
-  // Reads up to n bytes; returns fewer only at the end of the stream.
+  // Reads up to n bytes; returns 0 only at the end of the stream. An error
+  // after some bytes were produced is deferred: the call returns those, and
+  // the next call throws it (a reader reading ahead still gets every record
+  // before the error, and the error at the record it spoils).
   virtual size_t read(void* dst, size_t n) = 0;
+};
+
+// A piece of a stream's bytes that a RecordReader read records into. The
+// records next() hands out point into it; whoever holds the block (shared)
+// keeps them valid after the reader has moved on.
+struct RecordBlock {
+  std::unique_ptr<uint8_t[]> bytes;
+  size_t capacity = 0;
+};
+
+// A record's bytes inside a RecordBlock.
+struct RecordSpan {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
 };
 
 class RecordReader {
@@ -77,6 +94,15 @@ class RecordReader {
   // back to back, without a copy through a record buffer). On an error *out
   // keeps its size from before the call.
   bool read_append(std::vector<uint8_t>* out);
+  // As read(), without a copy: *out points into block(), valid for as long
+  // as a holder of that block lives (the reader itself holds it only until
+  // it needs room: then it goes on in a fresh block, or reuses this one if
+  // nobody else holds it). Same errors as read().
+  bool next(RecordSpan* out);
+  // The block of the record next() returned last.
+  const std::shared_ptr<RecordBlock>& block() const {
+    return block_;
+  }
 
   const std::string& path() const {
     return path_;
@@ -95,14 +121,18 @@ class RecordReader {
       RecordErrorKind kind,
       uint64_t at,
       const std::string& what);
-  // Reads exactly n bytes unless the stream ends; returns the count read.
-  size_t read_fully(void* dst, size_t n);
-  // read()'s work, appending the record's bytes to *out.
-  template <typename Buffer>
-  bool read_into(Buffer* out);
+  // Makes n bytes from begin_ on available in block_ unless the stream
+  // ends first; returns how many are (< n only at the end).
+  size_t fill(size_t n);
 
   std::string path_;
   std::unique_ptr<InputStream> in_;
+  // The stream's bytes read ahead: [begin_, end_) of block_ are not yet
+  // handed out as records.
+  std::shared_ptr<RecordBlock> block_;
+  size_t begin_ = 0;
+  size_t end_ = 0;
+  bool eof_ = false;
   uint64_t offset_ = 0;
   int64_t index_ = 0;
   bool failed_ = false;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -81,6 +82,15 @@ std::vector<RecordBatch> drain(RecordInput& input) {
   }
 }
 
+std::vector<std::string> files_of(
+    const std::map<std::string, std::vector<std::string>>& contents) {
+  std::vector<std::string> files;
+  for (const auto& [path, recs] : contents) {
+    files.push_back(path);
+  }
+  return files; // sorted, as match_files gives them
+}
+
 std::vector<std::string> flatten(const std::vector<RecordBatch>& batches) {
   std::vector<std::string> all;
   for (const auto& b : batches) {
@@ -141,6 +151,146 @@ TEST(RecordInput, SameSeedSameOrderWhateverTheThreadsDo) {
   opts.seed = 302;
   RecordInput other(opts);
   EXPECT_NE(flatten(drain(other)), first);
+}
+
+// The order record_input.h documents, computed here without threads,
+// blocks or prefetching: every file's records, the epochs' file orders, the
+// readers' strict round-robin, the pool filling one record per turn then two
+// per record drawn, and uniform draws swapped to the pool's end.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t bounded(std::mt19937_64& rng, uint64_t n) {
+  const uint64_t limit = (0 - n) % n;
+  while (true) {
+    const uint64_t r = rng();
+    if (r >= limit) {
+      return r % n;
+    }
+  }
+}
+
+std::vector<std::string> documented_order(
+    const RecordInputOptions& o,
+    const std::vector<std::string>& files,
+    const std::map<std::string, std::vector<std::string>>& contents) {
+  const size_t readers =
+      std::min(static_cast<size_t>(o.parallelism), files.size());
+  const uint64_t seed = *o.seed;
+  // The records each reader gives in each epoch.
+  std::vector<std::vector<std::vector<std::string>>> streams;
+  for (int64_t e = 0; e < o.epochs; ++e) {
+    std::vector<std::string> order = files;
+    std::mt19937_64 rng(
+        splitmix64(seed ^ splitmix64(static_cast<uint64_t>(e) + 1)));
+    for (size_t i = order.size(); i > 1; --i) {
+      std::swap(order[i - 1], order[bounded(rng, i)]);
+    }
+    std::vector<std::vector<std::string>> per_reader(readers);
+    for (size_t j = 0; j < order.size(); ++j) {
+      const auto& recs = contents.at(order[j]);
+      per_reader[j % readers].insert(
+          per_reader[j % readers].end(), recs.begin(), recs.end());
+    }
+    streams.push_back(per_reader);
+  }
+  // Round-robin, record by record, epoch by epoch.
+  std::vector<std::string> arrivals;
+  for (const auto& per_reader : streams) {
+    std::vector<size_t> at(readers, 0);
+    size_t done = 0;
+    for (size_t turn = 0; done < readers; turn = (turn + 1) % readers) {
+      if (at[turn] == per_reader[turn].size()) {
+        continue;
+      }
+      arrivals.push_back(per_reader[turn][at[turn]++]);
+      done += at[turn] == per_reader[turn].size() ? 1 : 0;
+    }
+  }
+  const size_t capacity = static_cast<size_t>(o.buffer_size);
+  std::mt19937_64 rng(splitmix64(seed));
+  std::vector<std::string> pool, out;
+  size_t next = 0;
+  bool emitting = false;
+  while (true) {
+    const size_t pulls = pool.size() < capacity ? (emitting ? 2 : 1) : 0;
+    for (size_t p = 0; p < pulls && pool.size() < capacity; ++p) {
+      if (next < arrivals.size()) {
+        pool.push_back(arrivals[next++]);
+      }
+    }
+    const bool exhausted = next == arrivals.size();
+    if (pool.empty() && exhausted) {
+      return out;
+    }
+    emitting = emitting || pool.size() >= (capacity + 1) / 2;
+    if (!emitting && !exhausted) {
+      continue;
+    }
+    const size_t j = bounded(rng, pool.size());
+    std::swap(pool[j], pool.back());
+    out.push_back(pool.back());
+    pool.pop_back();
+  }
+}
+
+TEST(RecordInput, DeliversTheDocumentedOrderWhileCompactingItsBlocks) {
+  // Records of 1 KB in 8 files: 256 to a reader's block. With 2,000 in the
+  // pool, blocks would stay held for ~6x the pool's bytes; compaction moves
+  // the last records of the emptiest ones, which must not change a thing.
+  TempDir dir;
+  std::map<std::string, std::vector<std::string>> contents;
+  std::mt19937_64 gen(5);
+  for (int k = 0; k < 8; ++k) {
+    const std::string path = dir.file("f" + std::to_string(k) + ".rec");
+    auto& recs = contents[path];
+    for (int i = 0; i < 2000; ++i) {
+      std::string r = rec(k, i);
+      while (r.size() < 1000 + gen() % 48) {
+        r.push_back(static_cast<char>('a' + gen() % 26));
+      }
+      recs.push_back(r);
+    }
+    write_records(path, recs);
+  }
+  auto opts = options(dir);
+  opts.parallelism = 3;
+  opts.buffer_size = 2000;
+  opts.batch_size = 100;
+  opts.epochs = 3;
+  const auto want = documented_order(opts, files_of(contents), contents);
+  ASSERT_EQ(want.size(), 48000u);
+  RecordInput input(opts);
+  std::vector<std::string> got;
+  int64_t most_bytes = 0;
+  while (true) {
+    RecordBatch b;
+    const auto status =
+        input.try_take_until(&b, RecordInput::Clock::now() + kHangBound);
+    if (status != BufferStatus::kOk) {
+      EXPECT_EQ(status, BufferStatus::kClosed);
+      break;
+    }
+    for (auto& r : split(b)) {
+      got.push_back(std::move(r));
+    }
+    most_bytes = std::max(most_bytes, input.stats().buffer_bytes);
+  }
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "record " << i;
+  }
+  const auto s = input.stats();
+  EXPECT_GT(s.records_compacted, 0);
+  EXPECT_LT(s.records_compacted, 48000 / 2);
+  // About twice the pool's ~2 MB of records, and the slack: 3 readers'
+  // blocks and 8 more of 256 KiB.
+  EXPECT_LE(most_bytes, 2 * 2000 * 1048 + 11 * 256 * 1024 + 256 * 1024);
+  EXPECT_GT(most_bytes, 0);
 }
 
 TEST(RecordInput, ShufflesAcrossFilesAndWithinThePool) {

@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -980,15 +981,54 @@ constexpr uint8_t list_tag(FeatureKind kind) {
 
 } // namespace
 
+namespace {
+
+constexpr size_t kScratchBlock = 64 * 1024;
+
+// The memory a thread's parsers use per batch, kept for its next batch:
+// allocated and freed afresh each time, glibc gave it back to the system at
+// the free and faulted it in again at the next batch (records_bench: 2.5x
+// the parse's time, most of it in page faults). Bounded per thread.
+struct ParserMemory {
+  static constexpr size_t kMaxBlocks = 32; // 2 MiB of scratch blocks
+  std::vector<std::unique_ptr<uint8_t[]>> blocks; // of kScratchBlock bytes
+  std::unique_ptr<uint8_t[]> arrays;
+  size_t arrays_size = 0;
+};
+thread_local ParserMemory parser_memory;
+
+} // namespace
+
 uint8_t* BatchParser::Scratch::reserve(size_t bytes) {
-  constexpr size_t kBlock = 64 * 1024;
   if (left < bytes) {
-    const size_t size = std::max(bytes, kBlock);
-    blocks.emplace_back(new uint8_t[size]);
-    at = blocks.back().get();
-    left = size;
+    Block block;
+    block.size = std::max(bytes, kScratchBlock);
+    if (block.size == kScratchBlock && !parser_memory.blocks.empty()) {
+      block.bytes = std::move(parser_memory.blocks.back());
+      parser_memory.blocks.pop_back();
+    } else {
+      block.bytes.reset(new uint8_t[block.size]);
+    }
+    at = block.bytes.get();
+    left = block.size;
+    blocks.push_back(std::move(block));
   }
   return at;
+}
+
+BatchParser::~BatchParser() {
+  // To this thread's memory (the one that made the parser; scan ranges on
+  // other threads took their blocks from theirs).
+  for (auto& block : scratches_) {
+    if (block.size == kScratchBlock &&
+        parser_memory.blocks.size() < ParserMemory::kMaxBlocks) {
+      parser_memory.blocks.push_back(std::move(block.bytes));
+    }
+  }
+  if (arrays_.size > parser_memory.arrays_size) {
+    parser_memory.arrays = std::move(arrays_.bytes);
+    parser_memory.arrays_size = arrays_.size;
+  }
 }
 
 bool BatchParser::has_fast_pext() {
@@ -1058,13 +1098,67 @@ BatchParser::BatchParser(
         : pat.size >= 16        ? ~uint64_t{0}
                                 : (uint64_t{1} << (8 * (pat.size - 8))) - 1;
   }
+  entry_patterns_.resize(specs_.size());
+  for (size_t s = 0; s < specs_.size(); ++s) {
+    // The bytes of entry_patterns_ (see scan_fast_body), with the entry's
+    // length L at byte 1 and L - key - 4, - 6, - 8 at the lengths after the
+    // key: byte k holds base + L * length, the sum staying within the byte.
+    const std::string& key = specs_[s].key;
+    if (specs_[s].kind == FeatureKind::kBytes || key.size() > 14) {
+      continue;
+    }
+    const size_t k = key.size();
+    uint8_t bytes[24] = {};
+    uint8_t per_length[24] = {};
+    uint8_t minus[24] = {};
+    bytes[0] = 0x0a;
+    per_length[1] = 1;
+    bytes[2] = 0x0a;
+    bytes[3] = static_cast<uint8_t>(k);
+    std::memcpy(bytes + 4, key.data(), k);
+    bytes[4 + k] = 0x12;
+    per_length[5 + k] = 1;
+    minus[5 + k] = static_cast<uint8_t>(k + 4);
+    bytes[6 + k] = list_tag(specs_[s].kind);
+    per_length[7 + k] = 1;
+    minus[7 + k] = static_cast<uint8_t>(k + 6);
+    bytes[8 + k] = 0x0a;
+    per_length[9 + k] = 1;
+    minus[9 + k] = static_cast<uint8_t>(k + 8);
+    EntryPattern& e = entry_patterns_[s];
+    e.size = k + 10;
+    e.min_length = k + 9; // a list of at least one byte
+    for (size_t w = 0; w < 3; ++w) {
+      e.base[w] = load_le64(bytes + 8 * w) - load_le64(minus + 8 * w);
+      e.length[w] = load_le64(per_length + 8 * w);
+      uint64_t mask = 0;
+      for (size_t b = 0; b < 8; ++b) {
+        if (8 * w + b < e.size) {
+          mask |= uint64_t{0xff} << (8 * b);
+        }
+      }
+      e.mask[w] = mask;
+    }
+  }
   all_specs_mask_ =
       specs_.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << specs_.size()) - 1;
   const size_t n = records_.size();
   const size_t cells = n * num_var_;
-  cells_.reset(new VarCell[cells]);
-  counts_.reset(new int64_t[cells]);
-  byte_counts_.reset(new int64_t[cells]);
+  // One allocation for the three per-cell arrays, this thread's from its
+  // last parser when large enough.
+  const size_t need = cells * (sizeof(VarCell) + 2 * sizeof(int64_t));
+  if (parser_memory.arrays_size >= need) {
+    arrays_.bytes = std::move(parser_memory.arrays);
+    arrays_.size = std::exchange(parser_memory.arrays_size, 0);
+  } else if (need > 0) {
+    arrays_.bytes.reset(new uint8_t[need]);
+    arrays_.size = need;
+  }
+  static_assert(alignof(VarCell) <= alignof(std::max_align_t));
+  cells_ = reinterpret_cast<VarCell*>(arrays_.bytes.get());
+  counts_ =
+      reinterpret_cast<int64_t*>(arrays_.bytes.get() + cells * sizeof(VarCell));
+  byte_counts_ = counts_ + cells;
   totals_.assign(specs_.size(), 0);
   byte_totals_.assign(specs_.size(), 0);
 }
@@ -1091,7 +1185,7 @@ void BatchParser::scan(
     size_t end,
     const std::vector<FeatureOutput>& outs) {
   KeyIndex::Order order(keys_);
-  Scratch scratch;
+  std::vector<Scratch> scratch(std::max<size_t>(num_var_, 1));
   std::vector<FeatureView> views(specs_.size());
   size_t fast = 0;
   for (size_t i = begin; i < end; ++i) {
@@ -1100,16 +1194,16 @@ void BatchParser::scan(
       break;
     }
     try {
-      fast += scan_one(i, outs, &order, &scratch, views.data()) ? 1 : 0;
+      fast += scan_one(i, outs, &order, scratch.data(), views.data()) ? 1 : 0;
     } catch (const RecordError& e) {
       record_error(i, e);
       break;
     }
   }
   fast_records_.fetch_add(fast, std::memory_order_relaxed);
-  if (!scratch.blocks.empty()) {
-    std::lock_guard<std::mutex> lock(scratch_mu_);
-    for (auto& block : scratch.blocks) {
+  std::lock_guard<std::mutex> lock(scratch_mu_);
+  for (auto& column : scratch) {
+    for (auto& block : column.blocks) {
       scratches_.push_back(std::move(block));
     }
   }
@@ -1139,43 +1233,84 @@ TORCH_STAGE_ALWAYS_INLINE inline bool BatchParser::scan_fast_body(
   uint64_t found = 0;
   keys_.begin(order);
   while (p < end) {
-    // A map entry (field 1): key (1) then value (2), nothing else.
-    if (*p != 0x0a) {
-      return false;
-    }
-    ++p;
-    if (!fast_length(p, end, end, &len)) {
-      return false;
-    }
-    const uint8_t* const entry_end = p + len;
-    // The usual case: the key is the one that followed the previous key
-    // last time, compared with its field's framing in two masked words.
-    // Else (or near the end of the record) field by field, and find().
     size_t s = keys_.guess(*order);
-    const KeyPattern* pat =
-        s < key_patterns_.size() ? &key_patterns_[s] : nullptr;
-    if (pat != nullptr && pat->size != 0 &&
-        pat->size < static_cast<size_t>(entry_end - p) && load_end - p >= 16 &&
-        ((load_le64(p) ^ pat->lo) & pat->lo_mask) == 0 &&
-        ((load_le64(p + 8) ^ pat->hi) & pat->hi_mask) == 0) {
-      keys_.accept_guess(order);
-      p += pat->size;
-    } else {
-      if (p == entry_end || *p != 0x0a) {
+    const Compact* spec = nullptr;
+    const uint8_t* payload = nullptr;
+    const uint8_t* entry_end = nullptr;
+    // The usual entry: the key that followed the previous key last time,
+    // with a numbers list of 1..(119 - key) bytes. Its first key + 10 bytes
+    // (the entry's tag and length, the key field, the value's tag and
+    // length, the list's tag and length, the packed field's tag and length)
+    // are the key's and what the entry's length gives: compared at once.
+    if (s < entry_patterns_.size() && load_end - p >= 24) {
+      const EntryPattern& e = entry_patterns_[s];
+      const size_t l1 = p[1];
+      if (e.size != 0 && l1 >= e.min_length && l1 < 0x80 &&
+          static_cast<size_t>(end - p) >= 2 + l1 &&
+          ((load_le64(p) ^ (e.base[0] + l1 * e.length[0])) & e.mask[0]) == 0 &&
+          ((load_le64(p + 8) ^ (e.base[1] + l1 * e.length[1])) & e.mask[1]) ==
+              0 &&
+          ((load_le64(p + 16) ^ (e.base[2] + l1 * e.length[2])) & e.mask[2]) ==
+              0) {
+        keys_.accept_guess(order);
+        spec = &compact_[s];
+        payload = p + e.size;
+        entry_end = p + 2 + l1;
+      }
+    }
+    if (payload == nullptr) {
+      // A map entry (field 1): key (1) then value (2), nothing else.
+      if (*p != 0x0a) {
         return false;
       }
       ++p;
-      size_t key_size = 0;
-      if (!fast_length(p, entry_end, end, &key_size)) {
+      if (!fast_length(p, end, end, &len)) {
         return false;
       }
-      const uint8_t* const key = p;
-      p += key_size;
-      if (p == entry_end || *p != 0x12) {
-        return false;
+      entry_end = p + len;
+      // The guessed key, compared with its field's framing in two masked
+      // words; else (or near the end of the record) field by field, and
+      // find().
+      const KeyPattern* pat =
+          s < key_patterns_.size() ? &key_patterns_[s] : nullptr;
+      if (pat != nullptr && pat->size != 0 &&
+          pat->size < static_cast<size_t>(entry_end - p) &&
+          load_end - p >= 16 &&
+          ((load_le64(p) ^ pat->lo) & pat->lo_mask) == 0 &&
+          ((load_le64(p + 8) ^ pat->hi) & pat->hi_mask) == 0) {
+        keys_.accept_guess(order);
+        p += pat->size;
+      } else {
+        if (p == entry_end || *p != 0x0a) {
+          return false;
+        }
+        ++p;
+        size_t key_size = 0;
+        if (!fast_length(p, entry_end, end, &key_size)) {
+          return false;
+        }
+        const uint8_t* const key = p;
+        p += key_size;
+        if (p == entry_end || *p != 0x12) {
+          return false;
+        }
+        ++p;
+        s = keys_.find(key, key_size, order);
       }
-      ++p;
-      s = keys_.find(key, key_size, order);
+      spec = s == KeyIndex::kNone ? nullptr : &compact_[s];
+      // A numbers list of 1..122 bytes is framed by five bytes that its
+      // length alone gives: the Feature's length, the list's tag and length,
+      // the packed field's tag and length, each length one byte.
+      const auto rest = static_cast<size_t>(entry_end - p);
+      if (spec != nullptr && spec->kind != FeatureKind::kBytes && rest >= 6 &&
+          rest <= 128 && load_end - p >= 8) {
+        const uint64_t framing = (rest - 1) |
+            (uint64_t{list_tag(spec->kind)} << 8) | (uint64_t{rest - 3} << 16) |
+            (uint64_t{0x0a} << 24) | (uint64_t{rest - 5} << 32);
+        if ((load_le64(p) & 0xffffffffffull) == framing) {
+          payload = p + 5;
+        }
+      }
     }
     const uint64_t bit = s == KeyIndex::kNone ? 0 : uint64_t{1} << s;
     // A key seen twice (the last wins): the general walk decides.
@@ -1183,22 +1318,6 @@ TORCH_STAGE_ALWAYS_INLINE inline bool BatchParser::scan_fast_body(
       return false;
     }
     found |= bit;
-    const Compact* spec = s == KeyIndex::kNone ? nullptr : &compact_[s];
-    const uint8_t* payload = nullptr;
-    // A numbers list of 1..122 bytes (the usual case) is framed by five
-    // bytes that its length alone gives: the Feature's length, the list's
-    // tag and length, the packed field's tag and length, each length one
-    // byte. One masked compare checks them all.
-    const auto rest = static_cast<size_t>(entry_end - p);
-    if (spec != nullptr && spec->kind != FeatureKind::kBytes && rest >= 6 &&
-        rest <= 128 && load_end - p >= 8) {
-      const uint64_t framing = (rest - 1) |
-          (uint64_t{list_tag(spec->kind)} << 8) | (uint64_t{rest - 3} << 16) |
-          (uint64_t{0x0a} << 24) | (uint64_t{rest - 5} << 32);
-      if ((load_le64(p) & 0xffffffffffull) == framing) {
-        payload = p + 5;
-      }
-    }
     if (payload == nullptr) {
       // Field by field: the Feature, and (for a key of the parse) its list.
       if (!fast_length(p, entry_end, end, &len) ||
@@ -1243,11 +1362,14 @@ TORCH_STAGE_ALWAYS_INLINE inline bool BatchParser::scan_fast_body(
     const size_t bytes = static_cast<size_t>(entry_end - payload);
     const size_t fc = spec->fixed_count;
     size_t values = 0;
+    // A column's values of consecutive records lie back to back in its
+    // scratch, so that fill() copies runs of records at once.
+    Scratch* column = spec->var_len ? &scratch[spec->column] : nullptr;
     if (spec->kind == FeatureKind::kInt64) {
       if (spec->var_len) {
         // At most one value per byte.
         auto* out = reinterpret_cast<int64_t*>(
-            scratch->reserve(bytes * sizeof(int64_t)));
+            column->reserve(bytes * sizeof(int64_t)));
         if (!decode_packed_varints<kPext>(
                 payload, entry_end, load_end, out, bytes, &values)) {
           return false;
@@ -1275,22 +1397,17 @@ TORCH_STAGE_ALWAYS_INLINE inline bool BatchParser::scan_fast_body(
         continue;
       }
       copy_floats(
-          payload, values, reinterpret_cast<float*>(scratch->reserve(bytes)));
+          payload, values, reinterpret_cast<float*>(column->reserve(bytes)));
     }
     const size_t cell = i * num_var_ + spec->column;
-    // Rounded up so that int64 values after floats stay aligned.
-    const size_t used =
-        (values *
-             (spec->kind == FeatureKind::kInt64 ? sizeof(int64_t)
-                                                : sizeof(float)) +
-         7) &
-        ~size_t{7};
-    cells_[cell].decoded = scratch->at;
+    const size_t used = values *
+        (spec->kind == FeatureKind::kInt64 ? sizeof(int64_t) : sizeof(float));
+    cells_[cell].decoded = column->at;
     cells_[cell].fast = true;
     counts_[cell] = static_cast<int64_t>(values);
     byte_counts_[cell] = 0;
-    scratch->at += used;
-    scratch->left -= used;
+    column->at += used;
+    column->left -= used;
   }
   if (found != all_specs_mask_) {
     return false; // a default, or the error for a missing key
@@ -1518,75 +1635,101 @@ void BatchParser::fill(
       outs[s].offsets[n] = totals_[s];
     }
   }
-  for (size_t i = begin; i < end; ++i) {
-    try {
-      fill_one(i, outs);
-    } catch (const RecordError& e) {
-      record_error(i, e);
-      return;
+  // Column by column. A run of records the fast walk decoded lies back to
+  // back in the column's scratch and goes to its place in one copy; the
+  // others are decoded here. An error stops the range at its record for
+  // the columns after it too (the lowest-indexed error is the one kept).
+  size_t limit = end;
+  for (size_t column = 0; column < num_var_; ++column) {
+    const size_t s = var_specs_[column];
+    const FeatureOutput& out = outs[s];
+    const size_t elem = compact_[s].kind == FeatureKind::kInt64
+        ? sizeof(int64_t)
+        : compact_[s].kind == FeatureKind::kFloat ? sizeof(float)
+                                                  : 0;
+    const uint8_t* run_from = nullptr;
+    uint8_t* run_to = nullptr;
+    size_t run_bytes = 0;
+    auto flush = [&] {
+      if (run_bytes > 0) {
+        std::memcpy(run_to, run_from, run_bytes);
+      }
+      run_bytes = 0;
+    };
+    for (size_t i = begin; i < limit; ++i) {
+      const size_t cell = i * num_var_ + column;
+      const VarCell& c = cells_[cell];
+      const int64_t first = counts_[cell];
+      out.offsets[i] = first;
+      if (c.fast) {
+        const int64_t next = i + 1 < n ? counts_[cell + num_var_] : totals_[s];
+        const auto bytes = static_cast<size_t>(next - first) * elem;
+        uint8_t* to = static_cast<uint8_t*>(out.values) +
+            static_cast<size_t>(first) * elem;
+        if (run_bytes > 0 && run_from + run_bytes == c.decoded &&
+            run_to + run_bytes == to) {
+          run_bytes += bytes;
+        } else if (bytes > 0) { // (an empty list may have no scratch)
+          flush();
+          run_from = c.decoded;
+          run_to = to;
+          run_bytes = bytes;
+        }
+        continue;
+      }
+      flush();
+      try {
+        fill_one(i, column, outs);
+      } catch (const RecordError& e) {
+        record_error(i, e);
+        limit = i;
+      }
     }
+    flush();
   }
 }
 
-void BatchParser::fill_one(size_t i, const std::vector<FeatureOutput>& outs) {
-  for (size_t column = 0; column < num_var_; ++column) {
-    const size_t s = var_specs_[column];
-    const FeatureSpec& spec = specs_[s];
-    const size_t cell = i * num_var_ + column;
-    const VarCell& c = cells_[cell];
-    const int64_t first = counts_[cell];
-    const int64_t first_byte = byte_counts_[cell];
-    outs[s].offsets[i] = first;
-    if (c.fast) {
-      // Numbers decoded by the scan: copy them (the next cell's first
-      // element bounds this one's).
-      const size_t elem = compact_[s].kind == FeatureKind::kInt64
-          ? sizeof(int64_t)
-          : sizeof(float);
-      const int64_t next =
-          i + 1 < records_.size() ? counts_[cell + num_var_] : totals_[s];
-      const auto values = static_cast<size_t>(next - first);
-      if (values > 0) { // (an empty list may have no scratch at all)
-        std::memcpy(
-            static_cast<uint8_t*>(outs[s].values) +
-                static_cast<size_t>(first) * elem,
-            c.decoded,
-            values * elem);
+void BatchParser::fill_one(
+    size_t i,
+    size_t column,
+    const std::vector<FeatureOutput>& outs) {
+  const size_t s = var_specs_[column];
+  const FeatureSpec& spec = specs_[s];
+  const size_t cell = i * num_var_ + column;
+  const VarCell& c = cells_[cell];
+  const int64_t first = counts_[cell];
+  const int64_t first_byte = byte_counts_[cell];
+  const FeatureView view{records_[i].data, c.found, c.kind, c.data, c.size};
+  switch (spec.kind) {
+    case FeatureKind::kInt64: {
+      int64_t* out = static_cast<int64_t*>(outs[s].values) + first;
+      if (view.found) {
+        decode_int64(view, out);
+      } else {
+        std::copy(spec.int64_default.begin(), spec.int64_default.end(), out);
       }
-      continue;
+      break;
     }
-    const FeatureView view{records_[i].data, c.found, c.kind, c.data, c.size};
-    switch (spec.kind) {
-      case FeatureKind::kInt64: {
-        int64_t* out = static_cast<int64_t*>(outs[s].values) + first;
-        if (view.found) {
-          decode_int64(view, out);
-        } else {
-          std::copy(spec.int64_default.begin(), spec.int64_default.end(), out);
-        }
-        break;
+    case FeatureKind::kFloat: {
+      float* out = static_cast<float*>(outs[s].values) + first;
+      if (view.found) {
+        decode_float(view, out);
+      } else {
+        std::copy(spec.float_default.begin(), spec.float_default.end(), out);
       }
-      case FeatureKind::kFloat: {
-        float* out = static_cast<float*>(outs[s].values) + first;
-        if (view.found) {
-          decode_float(view, out);
-        } else {
-          std::copy(spec.float_default.begin(), spec.float_default.end(), out);
-        }
-        break;
-      }
-      default: {
-        uint8_t* out = static_cast<uint8_t*>(outs[s].values) + first_byte;
-        int64_t* ends = outs[s].value_offsets + first + 1;
-        if (view.found) {
-          decode_bytes(view, out, ends, first_byte);
-        } else {
-          int64_t at = first_byte;
-          for (const auto& b : spec.bytes_default) {
-            std::memcpy(out + (at - first_byte), b.data(), b.size());
-            at += static_cast<int64_t>(b.size());
-            *ends++ = at;
-          }
+      break;
+    }
+    default: {
+      uint8_t* out = static_cast<uint8_t*>(outs[s].values) + first_byte;
+      int64_t* ends = outs[s].value_offsets + first + 1;
+      if (view.found) {
+        decode_bytes(view, out, ends, first_byte);
+      } else {
+        int64_t at = first_byte;
+        for (const auto& b : spec.bytes_default) {
+          std::memcpy(out + (at - first_byte), b.data(), b.size());
+          at += static_cast<int64_t>(b.size());
+          *ends++ = at;
         }
       }
     }

@@ -276,6 +276,9 @@ class BatchParser {
       const std::vector<FeatureSpec>& specs,
       std::vector<RecordRef> records,
       Walk walk = Walk::kAuto);
+  ~BatchParser();
+  BatchParser(const BatchParser&) = delete;
+  BatchParser& operator=(const BatchParser&) = delete;
 
   // BMI2 is there and its pext is not microcoded (AMD before Zen 3).
   static bool has_fast_pext();
@@ -298,8 +301,12 @@ class BatchParser {
  private:
   // Decoded var-length numbers of one scan range, in blocks that never
   // move once written (cells point into them).
+  struct Block {
+    std::unique_ptr<uint8_t[]> bytes;
+    size_t size = 0;
+  };
   struct Scratch {
-    std::vector<std::unique_ptr<uint8_t[]>> blocks;
+    std::vector<Block> blocks;
     uint8_t* at = nullptr; // the free part of the last block
     size_t left = 0;
     // Room for `bytes` more at `at`, in one block.
@@ -345,7 +352,11 @@ class BatchParser {
       size_t spec,
       const FeatureView& view,
       const std::vector<FeatureOutput>& outs);
-  void fill_one(size_t record, const std::vector<FeatureOutput>& outs);
+  // A var-length column of a record the fast walk did not decode.
+  void fill_one(
+      size_t record,
+      size_t column,
+      const std::vector<FeatureOutput>& outs);
   void record_error(size_t record, const RecordError& error);
 
   const std::vector<FeatureSpec>& specs_;
@@ -375,20 +386,35 @@ class BatchParser {
     size_t size = 0;
   };
   std::vector<KeyPattern> key_patterns_;
+  // A whole usual entry's framing up to its packed numbers, per spec (see
+  // scan_fast_body): byte k of the entry is byte k of base + L * length,
+  // where L is the entry's length (one byte); size 0 for bytes features and
+  // keys of more than 14 bytes.
+  struct EntryPattern {
+    uint64_t base[3] = {0, 0, 0};
+    uint64_t length[3] = {0, 0, 0};
+    uint64_t mask[3] = {0, 0, 0};
+    size_t size = 0; // bytes before the packed numbers
+    size_t min_length = 0; // of the entry: a list of one byte or more
+  };
+  std::vector<EntryPattern> entry_patterns_;
   uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
   // Per var-length cell, written by scan of that record only: the source,
   // and the counts of values (and bytes, for bytes lists); after count(),
   // the exclusive prefix sums.
-  std::unique_ptr<VarCell[]> cells_;
-  std::unique_ptr<int64_t[]> counts_;
-  std::unique_ptr<int64_t[]> byte_counts_;
+  // cells_, counts_ and byte_counts_ lie in arrays_ (kept by this thread for
+  // its next parser, see example.cpp's ParserMemory).
+  Block arrays_;
+  VarCell* cells_ = nullptr;
+  int64_t* counts_ = nullptr;
+  int64_t* byte_counts_ = nullptr;
   std::vector<int64_t> totals_;
   std::vector<int64_t> byte_totals_;
   std::atomic<size_t> fast_records_{0};
   std::mutex scratch_mu_;
   // Guarded by scratch_mu_: every range's scratch, alive until the parser
   // is destroyed.
-  std::vector<std::unique_ptr<uint8_t[]>> scratches_;
+  std::vector<Block> scratches_;
 
   // The lowest record index with an error (SIZE_MAX: none), read without the
   // lock so ranges past it stop early; updated under error_mu_.

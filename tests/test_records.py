@@ -264,6 +264,26 @@ def test_parse_example_fixed_and_var_len(as_batch):
     assert t.value_offsets[-1] == t.values.numel()
 
 
+def test_parse_example_makes_a_mappings_plan_once_and_never_reuses_a_stale_one():
+    from torch_stage import records as records_module
+
+    records = [encode_example({"a": i, "b": [i, i + 1]}) for i in range(5)]
+    features = {"a": FixedLenFeature((), torch.int64), "b": VarLenFeature(torch.int64)}
+    records_module._PLANS.clear()
+    for _ in range(3):
+        assert parse_example(records, features)["a"].tolist() == [0, 1, 2, 3, 4]
+    assert len(records_module._PLANS) == 1
+    # The same keys with other features, in a new mapping and in the same
+    # mapping changed: each parse follows the features it is given.
+    other = {"a": FixedLenFeature((1,), torch.int64), "b": FixedLenFeature((2,), torch.int64)}
+    assert parse_example(records, other)["b"].tolist() == [[i, i + 1] for i in range(5)]
+    features["b"] = FixedLenFeature((2,), torch.int64)
+    assert parse_example(records, features)["b"].shape == (5, 2)
+    del features["b"]
+    assert list(parse_example(records, features)) == ["a"]
+    assert len(records_module._PLANS) == 4
+
+
 def test_parse_example_uses_several_threads_with_the_same_result():
     records = [example(i) for i in range(3000)]
     old = torch.get_num_threads()

@@ -388,27 +388,42 @@ def parse_example(
         ExampleParseError: a record is not a serialized Example.
         ValueError / TypeError: bad arguments, before any parsing.
     """
+    plan = _plan_for(features)
+    pin = bool(pin_memory) and _accelerator_available()
+    return _C._parse_example(_as_records(records), plan, pin)
+
+
+# Parse plans by feature mapping: (key, id(feature)) pairs -> (plan, the
+# features). Holding the features keeps their ids from being reused while
+# their plan is here. A training loop parses every batch with one mapping:
+# its plan is made once, and each call converts nothing but its records.
+_PLANS: Dict[tuple, tuple] = {}
+_MAX_PLANS = 256
+
+
+def _plan_for(features):
     if not isinstance(features, Mapping) or not features:
         raise TypeError(
             "features must be a non-empty mapping of key -> FixedLenFeature/VarLenFeature"
         )
+    key = tuple([(k, id(f)) for k, f in features.items()])
+    cached = _PLANS.get(key)
+    if cached is not None:
+        return cached[0]
     specs = []
-    for key, spec in features.items():
-        if not isinstance(key, str):
-            raise TypeError(f"feature keys must be str, got {key!r}")
+    for k, spec in features.items():
+        if not isinstance(k, str):
+            raise TypeError(f"feature keys must be str, got {k!r}")
         if not isinstance(spec, (FixedLenFeature, VarLenFeature)):
             raise TypeError(
-                f"feature '{key}' must be a FixedLenFeature or VarLenFeature, got {spec!r}"
+                f"feature '{k}' must be a FixedLenFeature or VarLenFeature, got {spec!r}"
             )
-        specs.append(spec._spec_for(key))
-    pin = bool(pin_memory) and _accelerator_available()
-    parsed = _C._parse_example(_as_records(records), specs, pin)
-    out: Dict[str, Union[torch.Tensor, Ragged]] = {}
-    for (key, spec), (values, offsets, value_offsets) in zip(features.items(), parsed):
-        out[key] = (
-            values if isinstance(spec, FixedLenFeature) else Ragged(values, offsets, value_offsets)
-        )
-    return out
+        specs.append(spec._spec_for(k))
+    plan = _C._ParsePlan(specs, Ragged)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = (plan, tuple(features.values()))
+    return plan
 
 
 def encode_example(features: Mapping[str, Any]) -> bytes:

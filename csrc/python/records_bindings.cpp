@@ -257,14 +257,34 @@ std::vector<records::FeatureSpec> to_specs(const py::list& specs) {
   return out;
 }
 
+// What parse_example needs of a feature mapping, made once per mapping
+// (the Python side keeps it): the C++ schema, and the keys and result type
+// of each output. A parse call then converts nothing but its records.
+struct ParsePlan {
+  std::shared_ptr<const records::ParseSchema> schema;
+  std::vector<py::object> keys; // str
+  std::vector<bool> var_len;
+  py::object ragged; // the Ragged named tuple type, for var-length outputs
+};
+
+ParsePlan make_plan(const py::list& specs, py::object ragged) {
+  ParsePlan plan;
+  plan.schema = records::make_parse_schema(to_specs(specs));
+  for (const auto& s : plan.schema->specs()) {
+    plan.keys.emplace_back(py::str(s.key));
+    plan.var_len.push_back(s.var_len);
+  }
+  plan.ragged = std::move(ragged);
+  return plan;
+}
+
 // records: (data, offsets) tensors, or a list/tuple of bytes objects (read
 // in place: bytes are immutable and `keep` holds them while the GIL is
-// released). Returns [(values, offsets | None, value_offsets | None)].
-py::list parse_example(
+// released). Returns {key: tensor | Ragged(values, offsets, value_offsets)}.
+py::dict parse_example(
     const py::object& records,
-    const py::list& specs,
+    const ParsePlan& plan,
     bool pin_memory) {
-  std::vector<records::FeatureSpec> cpp_specs = to_specs(specs);
   std::vector<records::RecordRef> refs;
   std::vector<py::object> keep;
   at::Tensor data;
@@ -295,14 +315,20 @@ py::list parse_example(
   std::vector<records::ParsedFeature> parsed;
   {
     ReleasedGil no_gil;
-    parsed = records::parse_examples(refs, cpp_specs, pin_memory);
+    parsed = records::parse_examples(refs, plan.schema, pin_memory);
   }
-  py::list out;
-  auto opt = [](const at::Tensor& t) -> py::object {
-    return t.defined() ? py::cast(t) : py::none();
+  py::dict out;
+  auto opt = [](at::Tensor& t) -> py::object {
+    return t.defined() ? py::cast(std::move(t)) : py::none();
   };
-  for (auto& p : parsed) {
-    out.append(py::make_tuple(p.values, opt(p.offsets), opt(p.value_offsets)));
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    auto& p = parsed[i];
+    if (plan.var_len[i]) {
+      out[plan.keys[i]] = plan.ragged(
+          py::cast(std::move(p.values)), opt(p.offsets), opt(p.value_offsets));
+    } else {
+      out[plan.keys[i]] = py::cast(std::move(p.values));
+    }
   }
   return out;
 }
@@ -437,11 +463,13 @@ void init_records(py::module_& m) {
       },
       py::arg("patterns"));
   m.def("_encode_example", &encode_example, py::arg("items"));
+  py::class_<ParsePlan>(m, "_ParsePlan")
+      .def(py::init(&make_plan), py::arg("specs"), py::arg("ragged"));
   m.def(
       "_parse_example",
       &parse_example,
       py::arg("records"),
-      py::arg("specs"),
+      py::arg("plan"),
       py::arg("pin_memory"));
 
   py::class_<records::RecordInput, Input>(m, "_RecordInput")

@@ -1041,27 +1041,9 @@ bool BatchParser::has_fast_pext() {
 #endif
 }
 
-BatchParser::BatchParser(
-    const std::vector<FeatureSpec>& specs,
-    std::vector<RecordRef> records,
-    Walk walk)
-    : specs_(specs),
-      records_(std::move(records)),
-      keys_(keys_of(specs)),
-      walk_(walk),
-      min_error_record_(std::numeric_limits<size_t>::max()) {
+ParseSchema::ParseSchema(std::vector<FeatureSpec> specs)
+    : specs_(std::move(specs)), keys_(keys_of(specs_)) {
   validate_specs(specs_);
-  if (walk_ == Walk::kAuto) {
-    walk_ = has_fast_pext() ? Walk::kFastPext : Walk::kFastPortable;
-  }
-  if (walk_ == Walk::kFastPext && !has_fast_pext()) {
-    throw RecordError(
-        RecordErrorKind::kInvalidArgument,
-        "BatchParser: Walk::kFastPext needs a CPU with a fast BMI2 pext");
-  }
-  if (specs_.size() > 64) {
-    walk_ = Walk::kGeneral; // the fast walk keeps one bit per spec
-  }
   var_index_.assign(specs_.size(), -1);
   for (size_t s = 0; s < specs_.size(); ++s) {
     if (specs_[s].var_len) {
@@ -1142,6 +1124,37 @@ BatchParser::BatchParser(
   }
   all_specs_mask_ =
       specs_.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << specs_.size()) - 1;
+}
+
+BatchParser::BatchParser(
+    std::shared_ptr<const ParseSchema> schema,
+    std::vector<RecordRef> records,
+    Walk walk)
+    : schema_(std::move(schema)),
+      specs_(schema_->specs_),
+      keys_(schema_->keys_),
+      var_index_(schema_->var_index_),
+      num_var_(schema_->num_var_),
+      bytes_specs_(schema_->bytes_specs_),
+      var_specs_(schema_->var_specs_),
+      compact_(schema_->compact_),
+      key_patterns_(schema_->key_patterns_),
+      entry_patterns_(schema_->entry_patterns_),
+      all_specs_mask_(schema_->all_specs_mask_),
+      records_(std::move(records)),
+      walk_(walk),
+      min_error_record_(std::numeric_limits<size_t>::max()) {
+  if (walk_ == Walk::kAuto) {
+    walk_ = has_fast_pext() ? Walk::kFastPext : Walk::kFastPortable;
+  }
+  if (walk_ == Walk::kFastPext && !has_fast_pext()) {
+    throw RecordError(
+        RecordErrorKind::kInvalidArgument,
+        "BatchParser: Walk::kFastPext needs a CPU with a fast BMI2 pext");
+  }
+  if (specs_.size() > 64) {
+    walk_ = Walk::kGeneral; // the fast walk keeps one bit per spec
+  }
   const size_t n = records_.size();
   const size_t cells = n * num_var_;
   // One allocation for the three per-cell arrays, this thread's from its
@@ -1162,6 +1175,15 @@ BatchParser::BatchParser(
   totals_.assign(specs_.size(), 0);
   byte_totals_.assign(specs_.size(), 0);
 }
+
+BatchParser::BatchParser(
+    const std::vector<FeatureSpec>& specs,
+    std::vector<RecordRef> records,
+    Walk walk)
+    : BatchParser(
+          std::make_shared<const ParseSchema>(specs),
+          std::move(records),
+          walk) {}
 
 void BatchParser::record_error(size_t record, const RecordError& error) {
   std::lock_guard<std::mutex> lock(error_mu_);

@@ -241,6 +241,64 @@ struct FeatureOutput {
   int64_t* value_offsets = nullptr;
 };
 
+// What the parse of a batch needs to know of its specs, worked out once:
+// the validated specs, the key lookup, and the fast walk's per-spec tables.
+// Immutable once made: BatchParsers of many batches, on any threads, share
+// one (parse_example's callers keep it per feature mapping).
+class ParseSchema {
+ public:
+  // Validates (RecordError kInvalidArgument naming the key and the rule).
+  explicit ParseSchema(std::vector<FeatureSpec> specs);
+  ParseSchema(const ParseSchema&) = delete;
+  ParseSchema& operator=(const ParseSchema&) = delete;
+
+  const std::vector<FeatureSpec>& specs() const {
+    return specs_;
+  }
+
+ private:
+  friend class BatchParser;
+  // What the fast walk reads of each spec, packed (a FeatureSpec is large).
+  struct Compact {
+    size_t fixed_count;
+    size_t column; // var_index_
+    FeatureKind kind;
+    bool var_len;
+  };
+  // A map entry's bytes from its key field to its value's tag, for each
+  // spec: 0x0a, the key's length, the key, 0x12, as two little-endian words
+  // and masks, compared at once where the key is the guessed one (keys of
+  // up to 13 bytes; size 0 for longer ones, which find() compares).
+  struct KeyPattern {
+    uint64_t lo = 0, hi = 0, lo_mask = 0, hi_mask = 0;
+    size_t size = 0;
+  };
+  // A whole usual entry's framing up to its packed numbers, per spec (see
+  // scan_fast_body): byte k of the entry is byte k of base + L * length,
+  // where L is the entry's length (one byte); size 0 for bytes features and
+  // keys of more than 14 bytes.
+  struct EntryPattern {
+    uint64_t base[3] = {0, 0, 0};
+    uint64_t length[3] = {0, 0, 0};
+    uint64_t mask[3] = {0, 0, 0};
+    size_t size = 0; // bytes before the packed numbers
+    size_t min_length = 0; // of the entry: a list of one byte or more
+  };
+
+  const std::vector<FeatureSpec> specs_;
+  KeyIndex keys_;
+  // var_index_[spec]: the spec's column among the var-length specs (cell
+  // record * num_var_ + column), or -1 for a fixed-length spec.
+  std::vector<int64_t> var_index_;
+  size_t num_var_ = 0;
+  std::vector<size_t> bytes_specs_; // specs of bytes, in spec order
+  std::vector<size_t> var_specs_; // var-length specs, in spec order
+  std::vector<Compact> compact_;
+  std::vector<KeyPattern> key_patterns_;
+  std::vector<EntryPattern> entry_patterns_;
+  uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
+};
+
 // Parses a batch of Examples in two passes, each over disjoint record
 // ranges that may run on different threads at once:
 //
@@ -272,6 +330,11 @@ class BatchParser {
   // compare them (kFastPext needs a CPU with BMI2: has_fast_pext()).
   enum class Walk { kAuto, kGeneral, kFastPortable, kFastPext };
 
+  BatchParser(
+      std::shared_ptr<const ParseSchema> schema,
+      std::vector<RecordRef> records,
+      Walk walk = Walk::kAuto);
+  // With a schema of its own (tests, one-off parses).
   BatchParser(
       const std::vector<FeatureSpec>& specs,
       std::vector<RecordRef> records,
@@ -359,46 +422,23 @@ class BatchParser {
       const std::vector<FeatureOutput>& outs);
   void record_error(size_t record, const RecordError& error);
 
+  // The schema's tables, by the names the parser's code uses.
+  using Compact = ParseSchema::Compact;
+  using KeyPattern = ParseSchema::KeyPattern;
+  using EntryPattern = ParseSchema::EntryPattern;
+  const std::shared_ptr<const ParseSchema> schema_;
   const std::vector<FeatureSpec>& specs_;
+  const KeyIndex& keys_;
+  const std::vector<int64_t>& var_index_;
+  const size_t num_var_;
+  const std::vector<size_t>& bytes_specs_;
+  const std::vector<size_t>& var_specs_;
+  const std::vector<Compact>& compact_;
+  const std::vector<KeyPattern>& key_patterns_;
+  const std::vector<EntryPattern>& entry_patterns_;
+  const uint64_t all_specs_mask_;
   std::vector<RecordRef> records_;
-  KeyIndex keys_;
   Walk walk_; // kGeneral, kFastPortable or kFastPext
-  // var_index_[spec]: the spec's column among the var-length specs (cell
-  // record * num_var_ + column), or -1 for a fixed-length spec.
-  std::vector<int64_t> var_index_;
-  size_t num_var_ = 0;
-  std::vector<size_t> bytes_specs_; // specs of bytes, in spec order
-  std::vector<size_t> var_specs_; // var-length specs, in spec order
-  // What the fast walk reads of each spec, packed (a FeatureSpec is large).
-  struct Compact {
-    size_t fixed_count;
-    size_t column; // var_index_
-    FeatureKind kind;
-    bool var_len;
-  };
-  std::vector<Compact> compact_;
-  // A map entry's bytes from its key field to its value's tag, for each
-  // spec: 0x0a, the key's length, the key, 0x12, as two little-endian words
-  // and masks, compared at once where the key is the guessed one (keys of
-  // up to 13 bytes; size 0 for longer ones, which find() compares).
-  struct KeyPattern {
-    uint64_t lo = 0, hi = 0, lo_mask = 0, hi_mask = 0;
-    size_t size = 0;
-  };
-  std::vector<KeyPattern> key_patterns_;
-  // A whole usual entry's framing up to its packed numbers, per spec (see
-  // scan_fast_body): byte k of the entry is byte k of base + L * length,
-  // where L is the entry's length (one byte); size 0 for bytes features and
-  // keys of more than 14 bytes.
-  struct EntryPattern {
-    uint64_t base[3] = {0, 0, 0};
-    uint64_t length[3] = {0, 0, 0};
-    uint64_t mask[3] = {0, 0, 0};
-    size_t size = 0; // bytes before the packed numbers
-    size_t min_length = 0; // of the entry: a list of one byte or more
-  };
-  std::vector<EntryPattern> entry_patterns_;
-  uint64_t all_specs_mask_ = 0; // one bit per spec (fast walk: <= 64 specs)
   // Per var-length cell, written by scan of that record only: the source,
   // and the counts of values (and bytes, for bytes lists); after count(),
   // the exclusive prefix sums.

@@ -77,10 +77,8 @@ std::vector<RecordRef> record_refs(
   return refs;
 }
 
-std::vector<ParsedFeature> parse_examples(
-    const std::vector<RecordRef>& records,
-    const std::vector<FeatureSpec>& specs,
-    bool pin_memory) {
+std::shared_ptr<const ParseSchema> make_parse_schema(
+    std::vector<FeatureSpec> specs) {
   for (const auto& s : specs) {
     if (s.var_len) {
       continue;
@@ -101,7 +99,22 @@ std::vector<ParsedFeature> parse_examples(
           std::to_string(s.fixed_count));
     }
   }
-  BatchParser parser(specs, records); // validates the specs
+  return std::make_shared<const ParseSchema>(std::move(specs));
+}
+
+std::vector<ParsedFeature> parse_examples(
+    const std::vector<RecordRef>& records,
+    const std::vector<FeatureSpec>& specs,
+    bool pin_memory) {
+  return parse_examples(records, make_parse_schema(specs), pin_memory);
+}
+
+std::vector<ParsedFeature> parse_examples(
+    const std::vector<RecordRef>& records,
+    const std::shared_ptr<const ParseSchema>& schema,
+    bool pin_memory) {
+  const std::vector<FeatureSpec>& specs = schema->specs();
+  BatchParser parser(schema, records);
   const auto n = static_cast<int64_t>(records.size());
   auto options = [&](at::ScalarType t) {
     return at::TensorOptions().dtype(t).pinned_memory(pin_memory);

@@ -17,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <vector>
 
 #include "records/example.h"
@@ -42,6 +43,15 @@ std::vector<ParsedFeature> parse_examples(
     const std::vector<RecordRef>& records,
     const std::vector<FeatureSpec>& specs,
     bool pin_memory);
+// The same with a schema made once (make_parse_schema) for many batches.
+std::vector<ParsedFeature> parse_examples(
+    const std::vector<RecordRef>& records,
+    const std::shared_ptr<const ParseSchema>& schema,
+    bool pin_memory);
+// A schema for parse_examples: validates the specs, the shapes of
+// fixed-length features included (RecordError kInvalidArgument).
+std::shared_ptr<const ParseSchema> make_parse_schema(
+    std::vector<FeatureSpec> specs);
 
 // The records of a flat batch: record i is data[offsets[i]:offsets[i+1]].
 // `data` must be a contiguous CPU uint8 tensor and `offsets` a contiguous

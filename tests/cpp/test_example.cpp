@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -213,17 +214,22 @@ struct Parsed {
   std::vector<int64_t> t_voff;
 };
 
-// Runs the two passes over `threads` ranges, as parse_example.cpp does.
+// Runs the two passes over `threads` ranges, as parse_example.cpp does,
+// with a schema of its own or the one given.
 Parsed parse(
     const std::vector<std::string>& records,
     const std::vector<FeatureSpec>& specs,
-    int threads) {
+    int threads,
+    std::shared_ptr<const ParseSchema> schema = nullptr) {
   std::vector<RecordRef> refs;
   for (const auto& r : records) {
     refs.push_back(ref(r));
   }
   const size_t n = refs.size();
-  BatchParser parser(specs, refs);
+  if (schema == nullptr) {
+    schema = std::make_shared<const ParseSchema>(specs);
+  }
+  BatchParser parser(schema, refs);
   Parsed p;
   p.d.resize(n * 3);
   p.s.resize(n);
@@ -292,6 +298,38 @@ TEST(BatchParser, FixedAndVarLengthFeaturesLandInTheirSlots) {
   }
   EXPECT_EQ(one.t_voff.front(), 0);
   EXPECT_EQ(one.t_voff.back(), static_cast<int64_t>(one.t.size()));
+}
+
+TEST(BatchParser, OneSchemaServesParsersOnManyThreadsAtOnce) {
+  // As parse_example's callers do: one schema per feature mapping, the
+  // batches parsed on several threads at the same time (TSan checks that
+  // nothing of it is written).
+  std::vector<std::vector<std::string>> batches(8);
+  for (size_t b = 0; b < batches.size(); ++b) {
+    for (int i = 0; i < 20 + static_cast<int>(b); ++i) {
+      batches[b].push_back(make_example(i + static_cast<int>(b)));
+    }
+  }
+  const auto specs = four_specs();
+  const auto schema = std::make_shared<const ParseSchema>(specs);
+  std::vector<Parsed> shared(batches.size());
+  std::vector<std::thread> threads;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    threads.emplace_back(
+        [&, b] { shared[b] = parse(batches[b], specs, 2, schema); });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const Parsed own = parse(batches[b], specs, 1);
+    EXPECT_EQ(shared[b].d, own.d) << "batch " << b;
+    EXPECT_EQ(shared[b].s, own.s) << "batch " << b;
+    EXPECT_EQ(shared[b].v, own.v) << "batch " << b;
+    EXPECT_EQ(shared[b].v_off, own.v_off) << "batch " << b;
+    EXPECT_EQ(shared[b].t, own.t) << "batch " << b;
+    EXPECT_EQ(shared[b].t_voff, own.t_voff) << "batch " << b;
+  }
 }
 
 TEST(BatchParser, EmptyBatch) {

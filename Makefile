@@ -129,6 +129,7 @@ torture: build
 # record_pipeline generates its ~215 MB of seed files once, into
 # build/bench_data/ (never part of `make test`).
 bench: build
+	$(PY) benchmarks/cores.py --json $(BUILD)/bench/cores.json
 	$(PY) benchmarks/buffer_throughput.py --json $(BUILD)/bench/buffer_throughput.json
 	$(PY) benchmarks/overlap.py --json $(BUILD)/bench/overlap.json
 	$(PY) benchmarks/record_pipeline.py --json $(BUILD)/bench/record_pipeline.json

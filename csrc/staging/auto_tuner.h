@@ -33,7 +33,11 @@
 //   consumer: a Python source holding the GIL the step needs).
 // A trial is kept when its rate beats the baseline by `gain_margin` (more
 // threads or capacity) or stays within `loss_margin` of it (fewer threads:
-// the cheaper setting wins ties); otherwise the setting goes back and that
+// the cheaper setting wins ties), over two windows: one that passes is
+// confirmed by a second, judged by the mean of both (a window's rate is
+// noisy: on a shared machine one window in several is off by more than the
+// margin, and a setting kept on such a window costs every window until it
+// is tried away again); otherwise the setting goes back and that
 // move waits four times as many windows as last time before it is tried again
 // (up to `max_backoff`), so a rejected move costs a vanishing share of the
 // run; a kept move makes its reverse wait the same way, so that two
@@ -274,6 +278,7 @@ class AutoTuner {
         "the memory budget bounds capacity to " +
             std::to_string(limits_.max_capacity));
     trial_ = Move::kNone;
+    confirming_ = false;
     return true;
   }
   const TunerLimits& limits() const {
@@ -283,12 +288,25 @@ class AutoTuner {
  private:
   bool judge(double rate) {
     const Move move = trial_;
+    const auto passes = [&](double ratio) {
+      return move == Move::kFewerThreads ? ratio >= 1.0 - limits_.loss_margin
+                                         : ratio >= 1.0 + limits_.gain_margin;
+    };
+    if (!confirming_ && base_rate_ > 0 && passes(rate / base_rate_)) {
+      // One window is one sample of a noisy rate: a trial that passes goes
+      // on for a second window, and is judged by the two together.
+      confirming_ = true;
+      first_rate_ = rate;
+      return false;
+    }
+    if (confirming_) {
+      rate = (first_rate_ + rate) / 2;
+      confirming_ = false;
+    }
     trial_ = Move::kNone;
     ++trials_;
     const double ratio = base_rate_ > 0 ? rate / base_rate_ : 1.0;
-    const bool keep = move == Move::kFewerThreads
-        ? ratio >= 1.0 - limits_.loss_margin
-        : ratio >= 1.0 + limits_.gain_margin;
+    const bool keep = passes(ratio);
     auto& backoff = backoff_[static_cast<int>(move)];
     std::ostringstream why;
     why.precision(3);
@@ -404,6 +422,9 @@ class AutoTuner {
   int64_t windows_ = 0;
   int64_t trials_ = 0;
   Move trial_ = Move::kNone;
+  // The trial passed its first window and runs a second (see judge()).
+  bool confirming_ = false;
+  double first_rate_ = 0;
   double base_rate_ = 0;
   double last_rate_ = 0;
   std::array<int64_t, 3> backoff_{1, 1, 1};

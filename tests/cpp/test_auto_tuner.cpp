@@ -60,10 +60,27 @@ TEST(AutoTuner, AWaitingConsumerGetsAThreadThatPays) {
   // Inline: the consumer spends half of each step producing.
   ASSERT_TRUE(feed.window(1.0, 0.5));
   EXPECT_EQ(tuner.setting().threads, 1);
-  // The thread overlaps the two: 1.8x the rate.
+  // The thread overlaps the two: 1.8x the rate, in the trial's window and
+  // in the one that confirms it.
+  EXPECT_FALSE(feed.window(1.8, 0.0));
+  EXPECT_EQ(tuner.trials(), 0); // confirming
   EXPECT_FALSE(feed.window(1.8, 0.0));
   EXPECT_EQ(tuner.setting().threads, 1);
   EXPECT_NE(tuner.log().back().find("kept 1 thread"), std::string::npos)
+      << tuner.log().back();
+}
+
+TEST(AutoTuner, ATrialThatPassesOneWindowByLuckIsNotKept) {
+  // A thread that does not pay, measured 8% faster in its first window by
+  // noise and 8% slower in the next: judged by the two, it goes.
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_FALSE(feed.window(1.08, 0.0));
+  EXPECT_TRUE(feed.window(0.92, 0.0));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  EXPECT_NE(
+      tuner.log().back().find("back to no producer thread"), std::string::npos)
       << tuner.log().back();
 }
 
@@ -216,6 +233,8 @@ TEST(AutoTuner, MemoryIsTheSettledSettingNotATrialAndIsClampedOnResume) {
   ASSERT_TRUE(feed.window(1.0, 0.5)); // trying a thread
   EXPECT_EQ(tuner.setting().threads, 1);
   EXPECT_EQ(tuner.memory().setting.threads, 0); // not kept yet
+  EXPECT_FALSE(feed.window(1.8, 0.0)); // passed, confirming
+  EXPECT_EQ(tuner.memory().setting.threads, 0);
   EXPECT_FALSE(feed.window(1.8, 0.0)); // kept
   EXPECT_EQ(tuner.memory().setting.threads, 1);
 

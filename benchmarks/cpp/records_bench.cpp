@@ -3,17 +3,23 @@
 // the rest of the pipeline in the way. The files are the ones
 // benchmarks/records_vs_tf_data.py writes (run it once first):
 //
-//   records_bench [--layout packed|columns] [--batch N] [--seconds S] [DIR]
+//   records_bench [--phase read|input|parse]... [--layout packed|columns]
+//                 [--batch N] [--seconds S] [--held BATCHES] [--reps N]
+//                 [--keep-outputs BATCHES] [--buffer-size RECORDS]
+//                 [--verbose] [DIR]
 //
 //   read    RecordReader::next over every file on one thread (reads,
 //           framing, CRCs; no copy), thread CPU per record
 //   input   RecordInput with its defaults but the batch size, drained by
 //           this thread: examples/s and CPU per example of its readers,
 //           its mixer and the consumer
-//   parse   BatchParser (scan, count, fill) on one thread over batches held
-//           in memory, outputs allocated per batch as parse_example does
+//   parse   BatchParser (scan, count, fill) on one thread over --held
+//           batches (50) held in memory, outputs allocated per batch as
+//           parse_example does (--keep-outputs K: the last K batches' kept
+//           alive, as a consumer holding them would)
 //
-// Every figure is the median of 5 runs.
+// Every figure is the median of 5 runs (--verbose: each run's on stderr;
+// --reps N: exactly N passes, for callgrind).
 #include <dirent.h>
 #include <pthread.h>
 #include <time.h>
@@ -131,7 +137,11 @@ struct Batch {
   std::vector<int64_t> offsets;
 };
 
-// parse_example's work without tensors: outputs malloc'ed per batch.
+// parse_example's work without tensors: outputs malloc'ed per batch, the
+// last `keep` batches' kept alive (as a consumer holding them would).
+std::vector<std::vector<std::unique_ptr<int64_t[]>>> kept_outputs;
+size_t keep_outputs = 0;
+
 size_t parse_batch(const Batch& b, const std::vector<FeatureSpec>& specs) {
   const size_t n = b.offsets.size() - 1;
   std::vector<RecordRef> refs(n);
@@ -166,6 +176,12 @@ size_t parse_batch(const Batch& b, const std::vector<FeatureSpec>& specs) {
   }
   parser.fill(0, n, outs);
   parser.check();
+  if (keep_outputs > 0) {
+    kept_outputs.push_back(std::move(keep));
+    if (kept_outputs.size() > keep_outputs) {
+      kept_outputs.erase(kept_outputs.begin());
+    }
+  }
   return values;
 }
 
@@ -178,6 +194,8 @@ int main(int argc, char** argv) {
   double seconds = 2.0;
   size_t held_batches = 50;
   int64_t reps = 0; // parse: exactly this many passes (0: for --seconds)
+  int64_t buffer_size = 0; // input: RecordInput's buffer_size (0: default)
+  bool verbose = false; // parse: every run's figure on stderr
   std::vector<std::string> phases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -187,6 +205,12 @@ int main(int argc, char** argv) {
       batch = std::atoll(argv[++i]);
     } else if (a == "--seconds" && i + 1 < argc) {
       seconds = std::atof(argv[++i]);
+    } else if (a == "--keep-outputs" && i + 1 < argc) {
+      keep_outputs = static_cast<size_t>(std::atoll(argv[++i]));
+    } else if (a == "--buffer-size" && i + 1 < argc) {
+      buffer_size = std::atoll(argv[++i]);
+    } else if (a == "--verbose") {
+      verbose = true;
     } else if (a == "--reps" && i + 1 < argc) {
       reps = std::atoll(argv[++i]);
     } else if (a == "--held" && i + 1 < argc) {
@@ -250,8 +274,8 @@ int main(int argc, char** argv) {
       RecordInputOptions o;
       o.file_patterns = {dir + "/*.tfrecord"};
       o.batch_size = batch;
-      if (const char* v = std::getenv("RB_BUFFER_SIZE")) {
-        o.buffer_size = std::atoll(v);
+      if (buffer_size > 0) {
+        o.buffer_size = buffer_size;
       }
       RecordInput input(o);
       RecordBatch b;
@@ -314,7 +338,7 @@ int main(int argc, char** argv) {
         examples += examples_per_pass;
       }
       ns.push_back((thread_cpu_s() - t0) * 1e9 / static_cast<double>(examples));
-      if (std::getenv("RB_VERBOSE"))
+      if (verbose)
         std::fprintf(stderr, "%.0f ", ns.back());
     }
     std::printf(

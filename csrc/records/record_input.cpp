@@ -549,9 +549,10 @@ void RecordInput::mixer_main() {
         if (previous != kNoSlot) {
           release(previous);
         }
-        if (moving.size() < held_.size()) {
-          moving.resize(held_.size(), 0);
-        }
+        // (Its slot may be a victim's, freed a moment ago: what lands in it
+        // from now on is not to be moved.)
+        moving.resize(std::max(moving.size(), held_.size()), 0);
+        moving[compact_slot] = 0;
       }
       uint8_t* to = held_[compact_slot].block->bytes.get() + compact_used;
       std::memcpy(to, rec.data, rec.size);

@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -423,6 +424,9 @@ size_t RecordReader::fill(size_t n) {
       if (block_ != nullptr && block_.use_count() == 1 &&
           block_->capacity >= want) {
         // Nobody else holds the records before begin_: reuse the block.
+        // (use_count() is a relaxed load; the fence orders the last other
+        // holder's reads, before its release, before these writes.)
+        std::atomic_thread_fence(std::memory_order_acquire);
         std::memmove(block_->bytes.get(), block_->bytes.get() + begin_, held);
       } else {
         auto fresh = std::make_shared<RecordBlock>();

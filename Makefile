@@ -134,6 +134,7 @@ bench: build
 	$(PY) benchmarks/overlap.py --json $(BUILD)/bench/overlap.json
 	$(PY) benchmarks/record_pipeline.py --json $(BUILD)/bench/record_pipeline.json
 	$(PY) benchmarks/records_vs_tf_data.py --json > $(BUILD)/bench/records_vs_tf_data.json
+	$(CPP_BUILD)/benchmarks/cpp/records_bench --layout columns --json $(BUILD)/bench/records_bench.json
 	$(PY) benchmarks/multi_stream.py --json $(BUILD)/bench/multi_stream.json
 
 # tf.data beside the records pipeline (benchmarks/records_vs_tf_data.py, and

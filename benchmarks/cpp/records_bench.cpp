@@ -6,7 +6,7 @@
 //   records_bench [--phase read|input|parse]... [--layout packed|columns]
 //                 [--batch N] [--seconds S] [--held BATCHES] [--reps N]
 //                 [--keep-outputs BATCHES] [--buffer-size RECORDS]
-//                 [--verbose] [DIR]
+//                 [--verbose] [--json PATH] [DIR]
 //
 //   read    RecordReader::next over every file on one thread (reads,
 //           framing, CRCs; no copy), thread CPU per record
@@ -196,6 +196,7 @@ int main(int argc, char** argv) {
   int64_t reps = 0; // parse: exactly this many passes (0: for --seconds)
   int64_t buffer_size = 0; // input: RecordInput's buffer_size (0: default)
   bool verbose = false; // parse: every run's figure on stderr
+  std::string json_path; // also write the figures as JSON here
   std::vector<std::string> phases;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -209,6 +210,8 @@ int main(int argc, char** argv) {
       keep_outputs = static_cast<size_t>(std::atoll(argv[++i]));
     } else if (a == "--buffer-size" && i + 1 < argc) {
       buffer_size = std::atoll(argv[++i]);
+    } else if (a == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
     } else if (a == "--verbose") {
       verbose = true;
     } else if (a == "--reps" && i + 1 < argc) {
@@ -238,8 +241,29 @@ int main(int argc, char** argv) {
   auto want = [&](const char* p) {
     return std::find(phases.begin(), phases.end(), p) != phases.end();
   };
-  const auto files = match_files({dir + "/*.tfrecord"});
+  std::vector<std::string> files;
+  try {
+    files = match_files({dir + "/*.tfrecord"});
+  } catch (const RecordError& e) {
+    std::fprintf(
+        stderr,
+        "%s\n(write the files first: python benchmarks/records_vs_tf_data.py "
+        "--layout %s)\n",
+        e.what(),
+        layout.c_str());
+    return 2;
+  }
   const auto specs = specs_for(layout);
+  // "key": value pairs of the JSON report, in order.
+  std::vector<std::pair<std::string, std::string>> json;
+  auto number = [](double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.1f", v);
+    return std::string(buf);
+  };
+  json.emplace_back("\"benchmark\"", "\"records_bench\"");
+  json.emplace_back("\"layout\"", "\"" + layout + "\"");
+  json.emplace_back("\"batch_size\"", std::to_string(batch));
   std::printf(
       "%s rows, %zu files in %s, batch %lld\n",
       layout.c_str(),
@@ -262,6 +286,7 @@ int main(int argc, char** argv) {
       ns.push_back((thread_cpu_s() - t0) * 1e9 / static_cast<double>(records));
     }
     std::printf("read    %7.1f ns CPU per record (one thread)\n", median(ns));
+    json.emplace_back("\"read_cpu_ns_per_record\"", number(median(ns)));
   }
 
   std::vector<Batch> held;
@@ -317,6 +342,13 @@ int main(int argc, char** argv) {
           median(mix_ns),
           median(consumer_ns),
           buffer_mb);
+      json.emplace_back("\"input_examples_per_s\"", number(median(rate)));
+      json.emplace_back(
+          "\"input_cpu_ns_per_example\"",
+          "{\"read\": " + number(median(read_ns)) +
+              ", \"shuffle\": " + number(median(mix_ns)) +
+              ", \"consumer\": " + number(median(consumer_ns)) + "}");
+      json.emplace_back("\"input_buffer_mb\"", number(buffer_mb));
     }
   }
 
@@ -338,14 +370,28 @@ int main(int argc, char** argv) {
         examples += examples_per_pass;
       }
       ns.push_back((thread_cpu_s() - t0) * 1e9 / static_cast<double>(examples));
-      if (verbose)
+      if (verbose) {
         std::fprintf(stderr, "%.0f ", ns.back());
+      }
     }
     std::printf(
         "parse   %7.1f ns CPU per example (one thread): %.2fM examples per "
         "CPU-second\n",
         median(ns),
         1e3 / median(ns));
+    json.emplace_back("\"parse_cpu_ns_per_example\"", number(median(ns)));
+  }
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << "{";
+    for (size_t i = 0; i < json.size(); ++i) {
+      out << (i == 0 ? "" : ", ") << json[i].first << ": " << json[i].second;
+    }
+    out << "}\n";
+    if (!out) {
+      std::fprintf(stderr, "cannot write %s\n", json_path.c_str());
+      return 1;
+    }
   }
   return 0;
 }

@@ -6,6 +6,7 @@ drawn, so logs and CI output hold just the JSON and the readable lines.
 """
 
 import json
+import math
 import os
 import platform
 import sys
@@ -58,3 +59,27 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_stage": torch_stage.__version__,
     }
+
+
+def median_ci(values, level: float = 0.95):
+    """A distribution-free confidence interval for the median of ``values``:
+    order statistics (k-th smallest, k-th largest) with the largest k whose
+    coverage, from the binomial(n, 1/2) law of how many values fall below
+    the median, is at least ``level``. Assumes nothing of the distribution
+    (benchmark rounds on a shared machine are far from normal), only that
+    the rounds are independent. Returns (low, high, coverage); with too few
+    values for ``level`` (n < 6 at 0.95), the whole range and its coverage.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_ci needs at least one value")
+
+    def coverage(k):  # P(x_(k) <= median <= x_(n-k+1)), k counted from 1
+        below = sum(math.comb(n, i) for i in range(k))
+        return 1.0 - 2.0 * below / 2**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)

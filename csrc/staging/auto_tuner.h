@@ -45,6 +45,14 @@
 // rate after half a window is already 15% below the
 // baseline ends there. After any change the first items (what the old setting
 // left in the buffer or in flight) are not measured.
+// The first trial of a run waits for a second window at the starting
+// setting and is judged against the two windows' mean: a run's first window
+// holds its start-up (caches, lazy initialisation, the first batches of a
+// model), and a baseline that low makes the first trial look better than it
+// is; one window is noisy anyway. In a short run it also moves the trials
+// one window later (a DataLoader epoch of 60 steps is ~7 windows, where
+// trials at windows 1 and 6 made 10-17 of 61 batches at the pace of a
+// thread that did not pay: dataloader_grid.py, no workers).
 //
 // Threads
 // -------
@@ -182,8 +190,16 @@ class AutoTuner {
     if (trial_ != Move::kNone) {
       return judge(rate);
     }
+    double rate_for_base = rate;
     for (auto& c : cooldown_) {
       c = std::max<int64_t>(c - 1, 0);
+    }
+    if (trials_ == 0 && windows_ == 1) {
+      opening_rate_ = rate;
+      return false;
+    }
+    if (trials_ == 0 && windows_ == 2 && opening_rate_ > 0) {
+      rate_for_base = (opening_rate_ + rate) / 2;
     }
     const double ideal_gain = (wait_per_item + rest_per_item) /
         std::max(wait_per_item, rest_per_item);
@@ -210,7 +226,7 @@ class AutoTuner {
     if (move == Move::kNone) {
       return false;
     }
-    base_rate_ = rate;
+    base_rate_ = rate_for_base;
     base_ = setting_;
     trial_ = move;
     TunerSetting next = setting_;
@@ -277,6 +293,7 @@ class AutoTuner {
         bounded,
         "the memory budget bounds capacity to " +
             std::to_string(limits_.max_capacity));
+    opening_rate_ = 0;
     trial_ = Move::kNone;
     confirming_ = false;
     return true;
@@ -425,6 +442,9 @@ class AutoTuner {
   // The trial passed its first window and runs a second (see judge()).
   bool confirming_ = false;
   double first_rate_ = 0;
+  // The rate of the run's first window, averaged with the second into the
+  // first trial's baseline (0: none, or measured at another setting).
+  double opening_rate_ = 0;
   double base_rate_ = 0;
   double last_rate_ = 0;
   std::array<int64_t, 3> backoff_{1, 1, 1};

@@ -57,7 +57,9 @@ TunerLimits limits(int64_t min_threads, int64_t max_threads) {
 TEST(AutoTuner, AWaitingConsumerGetsAThreadThatPays) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
-  // Inline: the consumer spends half of each step producing.
+  // Inline: the consumer spends half of each step producing. The first
+  // window is only a baseline; the second, too, then the trial.
+  ASSERT_FALSE(feed.window(1.0, 0.5));
   ASSERT_TRUE(feed.window(1.0, 0.5));
   EXPECT_EQ(tuner.setting().threads, 1);
   // The thread overlaps the two: 1.8x the rate, in the trial's window and
@@ -70,11 +72,38 @@ TEST(AutoTuner, AWaitingConsumerGetsAThreadThatPays) {
       << tuner.log().back();
 }
 
+TEST(AutoTuner, TheFirstTrialWaitsForTwoWindowsAndIsJudgedAgainstBoth) {
+  // The run's first window measured 20% fast by noise, its second 20% slow
+  // (mean 1.0), and a thread that gives 0.9: against the second window
+  // alone it would pass (x1.125); against the two it is refused.
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  EXPECT_FALSE(feed.window(1.2, 0.5));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  EXPECT_TRUE(tuner.log().empty());
+  ASSERT_TRUE(feed.window(0.8, 0.5));
+  EXPECT_NE(
+      tuner.log().back().find("window 2: trying 1 thread"), std::string::npos)
+      << tuner.log().back();
+  EXPECT_TRUE(feed.window(0.9, 0.0));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  EXPECT_EQ(tuner.trials(), 1);
+  // Then the refused move waits its back-off (4 windows), as before.
+  for (int w = 0; w < 3; ++w) {
+    EXPECT_FALSE(feed.window(1.0, 0.5)) << "window " << tuner.windows();
+  }
+  EXPECT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_NE(
+      tuner.log().back().find("window 7: trying 1 thread"), std::string::npos)
+      << tuner.log().back();
+}
+
 TEST(AutoTuner, ATrialThatPassesOneWindowByLuckIsNotKept) {
   // A thread that does not pay, measured 8% faster in its first window by
   // noise and 8% slower in the next: judged by the two, it goes.
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
   ASSERT_TRUE(feed.window(1.0, 0.5));
   EXPECT_FALSE(feed.window(1.08, 0.0));
   EXPECT_TRUE(feed.window(0.92, 0.0));
@@ -109,6 +138,7 @@ TEST(AutoTuner, AThreadThatDoesNotPayIsRefusedAndRetriedLessAndLessOften) {
 TEST(AutoTuner, AFarWorseTrialEndsAtHalfAWindow) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
   ASSERT_TRUE(feed.window(1.0, 0.5));
   ASSERT_EQ(tuner.setting().threads, 1);
   // 30 ms (over half the 50 ms window) at half the rate: judged already.
@@ -117,6 +147,7 @@ TEST(AutoTuner, AFarWorseTrialEndsAtHalfAWindow) {
   // A trial only a little worse is judged on its whole window.
   AutoTuner patient(limits(0, 4), TunerSetting{0, 2});
   Feed slow(patient);
+  ASSERT_FALSE(slow.window(1.0, 0.5));
   ASSERT_TRUE(slow.window(1.0, 0.5));
   EXPECT_FALSE(slow.window(0.95, 0.2, 0, /*ms=*/30));
   EXPECT_EQ(patient.setting().threads, 1);
@@ -230,6 +261,7 @@ TEST(AutoTuner, ResumingFromMemoryCarriesTheBackOffAcrossRuns) {
 TEST(AutoTuner, MemoryIsTheSettledSettingNotATrialAndIsClampedOnResume) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.5)); // the opening baseline
   ASSERT_TRUE(feed.window(1.0, 0.5)); // trying a thread
   EXPECT_EQ(tuner.setting().threads, 1);
   EXPECT_EQ(tuner.memory().setting.threads, 0); // not kept yet

@@ -215,6 +215,7 @@ def cell(
             base = baseline(key)
             if base is not None:
                 ratios.setdefault(key, []).append(this[base] / this[key])
+    intervals = {k: median_ci(v) for k, v in ratios.items()}
     row = {
         "cell": name,
         "data_ms": round(data_ms, 3),
@@ -222,8 +223,11 @@ def cell(
         "step_ms": {k: round(statistics.median(v), 3) for k, v in runs.items()},
         "speed_vs_plain": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
         "speed_vs_plain_per_round": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
-        "speed_vs_plain_ci95": {k: ci_of(v) for k, v in ratios.items()},
-        "within_3_percent": {k: verdict(v) for k, v in ratios.items() if k.startswith("ours")},
+        "speed_vs_plain_ci95": {
+            k: {"low": round(lo, 3), "high": round(hi, 3), "coverage": round(c, 3)}
+            for k, (lo, hi, c) in intervals.items()
+        },
+        "within_3_percent": {k: verdict(*v) for k, v in intervals.items() if k.startswith("ours")},
         "tuning": {
             k: {key: s.get(key) for key in ("threads", "capacity", "tuning") if key in s}
             for k, s in stats.items()
@@ -232,14 +236,9 @@ def cell(
     return row
 
 
-def ci_of(ratios) -> dict:
-    low, high, coverage = median_ci(ratios)
-    return {"low": round(low, 3), "high": round(high, 3), "coverage": round(coverage, 3)}
-
-
-def verdict(ratios) -> str:
-    """Whether the median ratio is shown to be >= BOUND (see the docstring)."""
-    low, high, coverage = median_ci(ratios)
+def verdict(low: float, high: float, coverage: float) -> str:
+    """Whether the median ratio is shown to be >= BOUND, from its interval
+    (see the docstring)."""
     if coverage < 0.95:
         return "too few rounds"
     if low >= BOUND:

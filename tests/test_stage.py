@@ -6,6 +6,7 @@ import os
 import random
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -939,6 +940,30 @@ def test_no_thread_setting_never_deadlocks_with_a_producer_in_the_source(run_pyt
         timeout=120,
     )
     assert int(proc.stdout.split()[-1]) > 0, proc.stdout  # the setting did change
+
+
+def test_a_producer_keeps_its_python_thread_state_until_it_ends():
+    # As in a thread Python made, a transform's threading.local() values
+    # last as long as its producer thread (a per-thread cache or handle is
+    # made once per thread, not once per item) and go with the thread.
+    local = threading.local()
+    made, freed = [], []
+
+    class Cache:
+        pass
+
+    def transform(x):
+        if not hasattr(local, "cache"):
+            local.cache = Cache()
+            weakref.finalize(local.cache, freed.append, threading.get_ident())
+            made.append(threading.get_ident())
+        return x
+
+    with staged(range(300), transform=transform, num_threads=2, capacity=2) as stage:
+        assert list(stage) == list(range(300))
+        assert 1 <= len(made) <= 2, f"{len(made)} caches for 300 items"
+    # close() joined the producers: their states, and the caches, are gone.
+    assert sorted(freed) == sorted(made), (made, freed)
 
 
 def test_autotune_makes_at_most_eight_threads(monkeypatch):

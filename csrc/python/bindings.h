@@ -104,6 +104,41 @@ class ReleasedGil {
   PyThreadState* state_;
 };
 
+// A thread of ours keeps its Python thread state from one AcquiredGil to
+// the next, as a thread Python made keeps its own: gil_scoped_acquire makes
+// one for a thread that has none and deletes it when its scope ends, so a
+// producer got a fresh one for every item: its threading.local() values
+// were lost between items (a per-thread cache was rebuilt each time), and
+// each call into Python mapped and unmapped a frame stack (mmap/munmap with
+// the TLB shootdowns that follow: 3-4% of a records producer's samples,
+// perf). The state goes with the thread: its exit drops it, with the GIL
+// taken as drop() takes it; past the start of the interpreter's exit it is
+// left to the interpreter, which frees its threads' states.
+class ThreadStateKeeper {
+ public:
+  // With the GIL held by `gil`, in a thread that had no state before it.
+  void keep(pybind11::gil_scoped_acquire& gil) {
+    if (!kept_) {
+      gil.inc_ref();
+      kept_ = true;
+    }
+  }
+  ThreadStateKeeper() = default;
+  ThreadStateKeeper(const ThreadStateKeeper&) = delete;
+  ThreadStateKeeper& operator=(const ThreadStateKeeper&) = delete;
+  ~ThreadStateKeeper() {
+    if (!kept_ || !Py_IsInitialized() || gil_wait_unsafe() ||
+        gil_closed_to_this_thread()) {
+      return;
+    }
+    pybind11::gil_scoped_acquire gil;
+    gil.dec_ref(); // the scope's end then deletes the state
+  }
+
+ private:
+  bool kept_ = false;
+};
+
 // The GIL taken for a scope from a thread of ours (a stage's producer), like
 // pybind11::gil_scoped_acquire, but safe at interpreter exit. A producer
 // still inside user code when its stage's close() gave up joining it is
@@ -119,7 +154,14 @@ class AcquiredGil {
     if (gil_closed_to_this_thread()) {
       park_forever();
     }
+    // Before taking it: whether the thread has a state (one of Python's
+    // threads, or one of ours since its first call) or gets a new one.
+    const bool fresh = PyGILState_GetThisThreadState() == nullptr;
     gil_ = new pybind11::gil_scoped_acquire();
+    if (fresh) {
+      static thread_local ThreadStateKeeper keeper;
+      keeper.keep(*gil_);
+    }
   }
   AcquiredGil(const AcquiredGil&) = delete;
   AcquiredGil& operator=(const AcquiredGil&) = delete;

@@ -31,12 +31,12 @@ class Restless(torch_stage.DataLoader):
     staging threads."""
 
     def _make_stage(self, source, transform):
-        saved = torch_stage.stage._TUNE_WINDOW
-        torch_stage.stage._TUNE_WINDOW = (1, 0)
+        saved = torch_stage.stage._TUNE_WINDOW, torch_stage.stage._TUNE_EXPLORE_SHARE
+        torch_stage.stage._TUNE_WINDOW, torch_stage.stage._TUNE_EXPLORE_SHARE = (1, 0), 0
         try:
             return super()._make_stage(source, transform)
         finally:
-            torch_stage.stage._TUNE_WINDOW = saved
+            torch_stage.stage._TUNE_WINDOW, torch_stage.stage._TUNE_EXPLORE_SHARE = saved
 
 
 # The loaders under test: the plain one, ours with its defaults (auto-tuned),

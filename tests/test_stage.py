@@ -926,6 +926,7 @@ def test_no_thread_setting_never_deadlocks_with_a_producer_in_the_source(run_pyt
         import torch_stage, torch_stage.stage
 
         torch_stage.stage._TUNE_WINDOW = (1, 0)
+        torch_stage.stage._TUNE_EXPLORE_SHARE = 0
 
         def source():
             for i in range(3000):

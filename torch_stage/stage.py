@@ -668,6 +668,10 @@ _BUDGET_MAX = 2 << 30
 # The tuner's window: at least this many items and nanoseconds (tests make
 # it (1, 0) to change the setting after every item).
 _TUNE_WINDOW = (8, 50_000_000)
+# The share of the tuner's windows that trials may take, across a
+# DataLoader's epochs (csrc/staging/auto_tuner.h says why; tests make it 0
+# with the window above).
+_TUNE_EXPLORE_SHARE = 0.1
 
 
 def _usable_cores() -> int:
@@ -712,6 +716,7 @@ def _tuning(capacity, num_threads, autotune: bool, min_threads: int) -> dict:
         else 0,
         tune_window_items=_TUNE_WINDOW[0],
         tune_window_ns=_TUNE_WINDOW[1],
+        tune_explore_share=_TUNE_EXPLORE_SHARE,
     )
 
 

@@ -425,6 +425,7 @@ class PyStage {
       py::dict tuning;
       tuning["windows"] = s.tuning_windows;
       tuning["trials"] = s.tuning_trials;
+      tuning["trial_windows"] = s.tuning_trial_windows;
       tuning["max_capacity"] = s.tuning_max_capacity;
       tuning["decisions"] = py::cast(stage_->tuning_log());
       d["tuning"] = tuning;
@@ -443,8 +444,9 @@ class PyStage {
 };
 
 // A tuner's memory as Python sees it: {"threads", "capacity", "backoff",
-// "cooldown"} (the lists indexed by AutoTuner::Move), kept by the DataLoader
-// from one epoch's stage for the next.
+// "cooldown", "windows", "trial_windows"} (the lists indexed by
+// AutoTuner::Move; the window counts optional on the way in, 0 if absent),
+// kept by the DataLoader from one epoch's stage for the next.
 py::dict memory_to(const TunerMemory& m) {
   py::dict d;
   d["threads"] = m.setting.threads;
@@ -453,6 +455,8 @@ py::dict memory_to(const TunerMemory& m) {
       py::cast(std::vector<int64_t>(m.backoff.begin(), m.backoff.end()));
   d["cooldown"] =
       py::cast(std::vector<int64_t>(m.cooldown.begin(), m.cooldown.end()));
+  d["windows"] = m.windows;
+  d["trial_windows"] = m.trial_windows;
   return d;
 }
 
@@ -470,6 +474,9 @@ TunerMemory memory_from(const py::object& obj) {
   }
   std::copy(backoff.begin(), backoff.end(), m.backoff.begin());
   std::copy(cooldown.begin(), cooldown.end(), m.cooldown.begin());
+  m.windows = d.contains("windows") ? d["windows"].cast<int64_t>() : 0;
+  m.trial_windows =
+      d.contains("trial_windows") ? d["trial_windows"].cast<int64_t>() : 0;
   return m;
 }
 
@@ -511,6 +518,7 @@ void init_stage(py::module_& m) {
                       int64_t memory_budget_bytes,
                       int64_t tune_window_items,
                       int64_t tune_window_ns,
+                      double tune_explore_share,
                       py::object tuning_memory) {
             StageOptions options;
             options.name = name;
@@ -531,6 +539,7 @@ void init_stage(py::module_& m) {
             options.memory_budget_bytes = memory_budget_bytes;
             options.tune_window_items = tune_window_items;
             options.tune_window_ns = tune_window_ns;
+            options.tune_explore_share = tune_explore_share;
             if (!tuning_memory.is_none()) {
               options.tuning_memory = memory_from(tuning_memory);
             }
@@ -574,6 +583,7 @@ void init_stage(py::module_& m) {
           py::arg("memory_budget_bytes") = 0,
           py::arg("tune_window_items") = 8,
           py::arg("tune_window_ns") = 50'000'000,
+          py::arg("tune_explore_share") = 0.1,
           py::arg("tuning_memory") = py::none())
       .def(
           "start",

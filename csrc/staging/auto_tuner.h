@@ -45,14 +45,25 @@
 // rate after half a window is already 15% below the
 // baseline ends there. After any change the first items (what the old setting
 // left in the buffer or in flight) are not measured.
-// The first trial of a run waits for a second window at the starting
-// setting and is judged against the two windows' mean: a run's first window
-// holds its start-up (caches, lazy initialisation, the first batches of a
-// model), and a baseline that low makes the first trial look better than it
-// is; one window is noisy anyway. In a short run it also moves the trials
-// one window later (a DataLoader epoch of 60 steps is ~7 windows, where
-// trials at windows 1 and 6 made 10-17 of 61 batches at the pace of a
-// thread that did not pay: dataloader_grid.py, no workers).
+// Trials are also held to a share of the run (`explore_share` of the
+// windows so far, counted across the runs a memory carries): a trial that
+// does not pay costs its windows, and a short run cannot earn that back. A
+// DataLoader epoch of 60 steps is ~7 windows; on a 2-core machine the
+// staging thread it tried there with no workers lost x0.57-0.96 for one
+// window, and the epoch 2-7% against the plain loader
+// (benchmarks/dataloader_grid.py). With a share of 1/10 the first trial
+// waits for window 10, a refused one-window trial holds the next to window
+// 20, and a run never spends more than a tenth of its windows on settings
+// it may not keep. One trial is free of it: a thread, from none, while the
+// consumer's own production mostly waits rather than computes (under half
+// of its time on the CPU: I/O, worker processes, a device). Overlapping a
+// wait takes no core from the step, so that trial is cheap and pays at
+// once, where a compute-bound producer needs a core the step may be using.
+// A trial is judged against the mean of the last two windows at the
+// settled setting where there are two (one window is noisy), and the first
+// trial of a run waits for a second window: a run's first window holds its
+// start-up (caches, lazy initialisation, the first batches of a model), and
+// a baseline that low alone makes the first trial look better than it is.
 //
 // Threads
 // -------
@@ -80,6 +91,12 @@ struct TunerLimits {
   double gain_margin = 0.03; // more threads or capacity must gain this much
   double loss_margin = 0.03; // fewer threads may lose at most this much
   int64_t max_backoff = 64; // windows
+  // Trials may take at most this share of the windows so far (see above);
+  // 0: no bound. Stage passes StageOptions::tune_explore_share (0.1).
+  double explore_share = 0;
+  // Inline production under this share of its time on the consumer's CPU
+  // mostly waits: a thread's trial from none is then free of the bound.
+  double waiting_cpu_share = 0.5;
   std::size_t log_size = 32;
 };
 
@@ -99,6 +116,10 @@ struct TunerMemory {
   TunerSetting setting;
   std::array<int64_t, 3> backoff{1, 1, 1}; // indexed by AutoTuner::Move
   std::array<int64_t, 3> cooldown{0, 0, 0};
+  // Windows measured so far, and those at a trial's setting (the
+  // exploration share counts both across runs).
+  int64_t windows = 0;
+  int64_t trial_windows = 0;
 };
 
 // Cumulative counters at one take.
@@ -109,6 +130,10 @@ struct TunerSample {
   int64_t wait_ns = 0;
   // Producers waiting for buffer space.
   int64_t blocked_ns = 0;
+  // Consumers producing items themselves (part of wait_ns), and their
+  // thread CPU time meanwhile; 0 when not measured.
+  int64_t inline_ns = 0;
+  int64_t inline_cpu_ns = 0;
 };
 
 class AutoTuner {
@@ -131,6 +156,9 @@ class AutoTuner {
       cooldown_[i] =
           std::clamp<int64_t>(memory.cooldown[i], 0, limits_.max_backoff);
     }
+    carried_windows_ = std::max<int64_t>(memory.windows, 0);
+    carried_trial_windows_ =
+        std::clamp<int64_t>(memory.trial_windows, 0, carried_windows_);
     std::ostringstream why;
     why << "resumed at " << describe(setting_)
         << " (from what an earlier run learnt)";
@@ -169,6 +197,7 @@ class AutoTuner {
       // Half a window already says the trial is far worse: end it there.
       start_ = s;
       ++windows_;
+      ++trial_windows_;
       last_rate_ = static_cast<double>(items) / ns;
       return judge(last_rate_);
     }
@@ -184,22 +213,28 @@ class AutoTuner {
         static_cast<double>(s.wait_ns - start_.wait_ns) / items;
     const double rest_per_item =
         static_cast<double>(ns) / items - wait_per_item;
+    const int64_t inline_ns = s.inline_ns - start_.inline_ns;
+    // The share of inline production spent on the consumer's CPU (-1: none
+    // measured in this window).
+    const double inline_cpu = inline_ns > 0 && s.inline_cpu_ns > 0
+        ? static_cast<double>(s.inline_cpu_ns - start_.inline_cpu_ns) /
+            static_cast<double>(inline_ns)
+        : -1.0;
     start_ = s;
     ++windows_;
     last_rate_ = rate;
     if (trial_ != Move::kNone) {
+      ++trial_windows_;
       return judge(rate);
     }
-    double rate_for_base = rate;
     for (auto& c : cooldown_) {
       c = std::max<int64_t>(c - 1, 0);
     }
+    const double rate_for_base =
+        last_base_rate_ > 0 ? (last_base_rate_ + rate) / 2 : rate;
+    last_base_rate_ = rate;
     if (trials_ == 0 && windows_ == 1) {
-      opening_rate_ = rate;
-      return false;
-    }
-    if (trials_ == 0 && windows_ == 2 && opening_rate_ > 0) {
-      rate_for_base = (opening_rate_ + rate) / 2;
+      return false; // the opening window (see above)
     }
     const double ideal_gain = (wait_per_item + rest_per_item) /
         std::max(wait_per_item, rest_per_item);
@@ -226,23 +261,31 @@ class AutoTuner {
     if (move == Move::kNone) {
       return false;
     }
+    const bool overlaps_a_wait = setting_.threads == 0 && inline_cpu >= 0 &&
+        inline_cpu < limits_.waiting_cpu_share;
+    if (!overlaps_a_wait && !within_share()) {
+      if (!deferred_logged_) {
+        deferred_logged_ = true;
+        std::ostringstream why;
+        why << "window " << windows_ << ": would try "
+            << describe(next_of(move)) << " ("
+            << reason(move, wait, blocked, ideal_gain, limits_.wait_fraction)
+            << "); trials wait while they would take over "
+            << limits_.explore_share * 100 << "% of the windows so far";
+        if (setting_.threads == 0 && inline_cpu >= 0) {
+          why << " (the loop's own production was "
+              << static_cast<int>(inline_cpu * 100 + 0.5)
+              << "% on its CPU: a thread would need a core)";
+        }
+        record(why.str());
+      }
+      return false;
+    }
     base_rate_ = rate_for_base;
+    last_base_rate_ = 0;
     base_ = setting_;
     trial_ = move;
-    TunerSetting next = setting_;
-    switch (move) {
-      case Move::kMoreThreads:
-        ++next.threads;
-        break;
-      case Move::kFewerThreads:
-        --next.threads;
-        break;
-      case Move::kMoreCapacity:
-        ++next.capacity;
-        break;
-      case Move::kNone:
-        break;
-    }
+    const TunerSetting next = next_of(move);
     std::ostringstream why;
     why << "window " << windows_ << ": trying " << describe(next) << " ("
         << reason(move, wait, blocked, ideal_gain, limits_.wait_fraction)
@@ -260,6 +303,8 @@ class AutoTuner {
     m.setting = trial_ == Move::kNone ? setting_ : base_;
     m.backoff = backoff_;
     m.cooldown = cooldown_;
+    m.windows = carried_windows_ + windows_;
+    m.trial_windows = carried_trial_windows_ + trial_windows_;
     return m;
   }
   // Whether the samples after a change are still being skipped.
@@ -275,6 +320,10 @@ class AutoTuner {
   }
   int64_t trials() const {
     return trials_;
+  }
+  // Windows of this run measured at a trial's setting.
+  int64_t trial_windows() const {
+    return trial_windows_;
   }
   // Items per second of the last full window (0 before the first).
   double last_rate_per_s() const {
@@ -293,7 +342,7 @@ class AutoTuner {
         bounded,
         "the memory budget bounds capacity to " +
             std::to_string(limits_.max_capacity));
-    opening_rate_ = 0;
+    last_base_rate_ = 0;
     trial_ = Move::kNone;
     confirming_ = false;
     return true;
@@ -352,6 +401,35 @@ class AutoTuner {
         << "; tried again in " << backoff << " windows)";
     change(base_, why.str());
     return true;
+  }
+
+  // Whether one more trial window stays within the exploration share.
+  bool within_share() const {
+    if (limits_.explore_share <= 0) {
+      return true;
+    }
+    const auto all = static_cast<double>(carried_windows_ + windows_);
+    const auto trials =
+        static_cast<double>(carried_trial_windows_ + trial_windows_);
+    return trials + 1 <= limits_.explore_share * all;
+  }
+
+  TunerSetting next_of(Move move) const {
+    TunerSetting next = setting_;
+    switch (move) {
+      case Move::kMoreThreads:
+        ++next.threads;
+        break;
+      case Move::kFewerThreads:
+        --next.threads;
+        break;
+      case Move::kMoreCapacity:
+        ++next.capacity;
+        break;
+      case Move::kNone:
+        break;
+    }
+    return next;
   }
 
   // Whether `items` in `ns` fill a window (or half of one).
@@ -438,13 +516,19 @@ class AutoTuner {
   int64_t settle_ = 0;
   int64_t windows_ = 0;
   int64_t trials_ = 0;
+  int64_t trial_windows_ = 0;
+  // What a resumed tuner's earlier runs measured (for the share).
+  int64_t carried_windows_ = 0;
+  int64_t carried_trial_windows_ = 0;
+  // A deferred trial is logged once per run, not every window.
+  bool deferred_logged_ = false;
   Move trial_ = Move::kNone;
   // The trial passed its first window and runs a second (see judge()).
   bool confirming_ = false;
   double first_rate_ = 0;
-  // The rate of the run's first window, averaged with the second into the
-  // first trial's baseline (0: none, or measured at another setting).
-  double opening_rate_ = 0;
+  // The rate of the last window at the settled setting, averaged with the
+  // next into a trial's baseline (0: none since the setting changed).
+  double last_base_rate_ = 0;
   double base_rate_ = 0;
   double last_rate_ = 0;
   std::array<int64_t, 3> backoff_{1, 1, 1};

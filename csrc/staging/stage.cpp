@@ -14,6 +14,8 @@
 #include <system_error>
 #include <utility>
 
+#include <time.h>
+
 #include "staging/auto_tuner.h"
 #include "staging/device_stager.h"
 #include "trace/trace_recorder.h"
@@ -37,6 +39,18 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              Clock::now().time_since_epoch())
       .count();
+}
+
+// The calling thread's CPU time; 0 where the clock is missing (the tuner
+// then treats inline production as unmeasured).
+int64_t thread_cpu_ns() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+    return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+  }
+#endif
+  return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -248,6 +262,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       limits.max_capacity = options.max_capacity;
       limits.window_items = options.tune_window_items;
       limits.window_ns = options.tune_window_ns;
+      limits.explore_share = options.tune_explore_share;
       if (options.tuning_memory) {
         tuner.emplace(limits, *options.tuning_memory);
         buffer.set_capacity(static_cast<size_t>(tuner->setting().capacity));
@@ -326,6 +341,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // buffer knows no earlier item can still arrive.
   std::atomic<int64_t> in_flight{0};
   std::atomic<int64_t> inline_items{0}, inline_ns{0};
+  // The consumers' thread CPU time while producing inline (for the tuner:
+  // production that mostly waits is overlapped by a thread for free).
+  std::atomic<int64_t> inline_cpu_ns{0};
 
   std::mutex warn_mu;
   WarnFn warn; // guarded by warn_mu
@@ -423,7 +441,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
     TunerSample sample;
     sample.now_ns = now;
     sample.items = items;
-    sample.wait_ns = b.consumer_wait_ns + inline_ns.load();
+    sample.inline_ns = inline_ns.load();
+    sample.inline_cpu_ns = inline_cpu_ns.load();
+    sample.wait_ns = b.consumer_wait_ns + sample.inline_ns;
     sample.blocked_ns = b.producer_blocked_ns;
     changed = tuner->observe(sample) || changed;
     if (changed) {
@@ -446,6 +466,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       return;
     }
     const int64_t start = now_ns();
+    const int64_t cpu_start = thread_cpu_ns();
     while (consumers_produce() && !source_done_flag.load() && !stop.load() &&
            buffer.size() == 0) {
       if (!step(consumer_status, /*consumer=*/true)) {
@@ -453,6 +474,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       }
       ++inline_items;
     }
+    inline_cpu_ns += thread_cpu_ns() - cpu_start;
     inline_ns += now_ns() - start;
     consumer_status.set(Phase::kExited);
   }
@@ -1059,6 +1081,7 @@ StageStats Stage::stats() const {
     std::lock_guard<std::mutex> lock(state_->tune_mu);
     s.tuning_windows = state_->tuner->windows();
     s.tuning_trials = state_->tuner->trials();
+    s.tuning_trial_windows = state_->tuner->trial_windows();
     s.tuning_max_capacity = state_->tuner->limits().max_capacity;
   }
   s.started = started();

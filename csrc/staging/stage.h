@@ -203,6 +203,9 @@ struct StageOptions {
   // the setting change all the time.
   int64_t tune_window_items = 8;
   int64_t tune_window_ns = 50'000'000;
+  // The share of windows trials may take (TunerLimits::explore_share; 0:
+  // no bound); tests that change the setting all the time make it 0.
+  double tune_explore_share = 0.1;
   // Start from what an earlier stage's tuner learnt (Stage::tuning_memory;
   // clamped to these bounds) instead of initial_threads and capacity.
   std::optional<TunerMemory> tuning_memory;
@@ -237,6 +240,7 @@ struct StageStats {
   int64_t inline_ns = 0;
   int64_t tuning_windows = 0;
   int64_t tuning_trials = 0;
+  int64_t tuning_trial_windows = 0;
   int64_t tuning_max_capacity = 0; // after the memory budget
   bool auto_tune = false;
   bool started = false;

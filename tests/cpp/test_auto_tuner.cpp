@@ -35,12 +35,24 @@ class Feed {
     sample_.items += static_cast<int64_t>(items_per_ms * ms);
     sample_.wait_ns += static_cast<int64_t>(wait * ns);
     sample_.blocked_ns += static_cast<int64_t>(blocked * ns);
+    if (inline_cpu_ >= 0 && tuner_.setting().threads == 0) {
+      // With no thread the consumer's wait is its own production.
+      sample_.inline_ns += static_cast<int64_t>(wait * ns);
+      sample_.inline_cpu_ns += static_cast<int64_t>(inline_cpu_ * wait * ns);
+    }
     return tuner_.observe(sample_);
+  }
+
+  // From now on, inline production spends this share of its time on the
+  // consumer's CPU (-1: not measured, the default).
+  void set_inline_cpu(double share) {
+    inline_cpu_ = share;
   }
 
  private:
   AutoTuner& tuner_;
   TunerSample sample_;
+  double inline_cpu_ = -1;
 };
 
 TunerLimits limits(int64_t min_threads, int64_t max_threads) {
@@ -95,6 +107,27 @@ TEST(AutoTuner, TheFirstTrialWaitsForTwoWindowsAndIsJudgedAgainstBoth) {
   EXPECT_TRUE(feed.window(1.0, 0.5));
   EXPECT_NE(
       tuner.log().back().find("window 7: trying 1 thread"), std::string::npos)
+      << tuner.log().back();
+}
+
+TEST(AutoTuner, EveryTrialIsJudgedAgainstTheLastTwoSettledWindows) {
+  // A later trial too: after a refusal the windows before the next trial
+  // read 1.2 and 0.8 (mean 1.0); a thread giving 0.9 would pass against
+  // the last alone (x1.125) and is refused against both.
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  ASSERT_TRUE(feed.window(0.7, 0.0)); // refused; tried again in 4 windows
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_FALSE(feed.window(1.2, 0.5));
+  ASSERT_TRUE(feed.window(0.8, 0.5));
+  EXPECT_EQ(tuner.setting().threads, 1);
+  EXPECT_TRUE(feed.window(0.9, 0.0));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  EXPECT_EQ(tuner.trials(), 2);
+  EXPECT_NE(tuner.log().back().find("rate x0.9 "), std::string::npos)
       << tuner.log().back();
 }
 
@@ -284,6 +317,92 @@ TEST(AutoTuner, MemoryIsTheSettledSettingNotATrialAndIsClampedOnResume) {
   EXPECT_NE(
       resumed.log().front().find("resumed at 4 threads"), std::string::npos)
       << resumed.log().front();
+}
+
+// Exploration held to a tenth of the run: production that computes (a
+// thread would need a core) waits for window 10 before a thread is tried,
+// and a refused trial's window holds the next to window 20.
+TEST(AutoTuner, TrialsTakeAtMostTheirShareOfTheRun) {
+  TunerLimits l = limits(0, 4);
+  l.explore_share = 0.1;
+  AutoTuner tuner(l, TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(0.95);
+  for (int w = 1; w < 10; ++w) {
+    ASSERT_FALSE(feed.window(1.0, 0.5)) << "window " << w;
+  }
+  ASSERT_EQ(tuner.log().size(), 1u); // the deferral, said once
+  EXPECT_NE(
+      tuner.log().front().find("window 2: would try 1 thread"),
+      std::string::npos)
+      << tuner.log().front();
+  EXPECT_NE(tuner.log().front().find("95% on its CPU"), std::string::npos)
+      << tuner.log().front();
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_NE(
+      tuner.log().back().find("window 10: trying 1 thread"), std::string::npos)
+      << tuner.log().back();
+  EXPECT_TRUE(feed.window(0.7, 0.0)); // refused
+  EXPECT_EQ(tuner.trial_windows(), 1);
+  int64_t next = 0;
+  for (int w = 0; w < 30 && next == 0; ++w) {
+    if (feed.window(1.0, 0.5)) {
+      next = tuner.windows();
+    }
+  }
+  // The back-off alone (4 windows) would try it at window 15.
+  EXPECT_EQ(next, 20) << tuner.log().back();
+  const TunerMemory m = tuner.memory();
+  EXPECT_EQ(m.windows, 20);
+  EXPECT_EQ(m.trial_windows, 1);
+}
+
+// A consumer whose own production mostly waits (here 10% of it on its CPU:
+// reading, worker processes) gets its thread's trial at once: overlapping
+// a wait takes no core from the step.
+TEST(AutoTuner, OverlappingAWaitIsNotHeldToTheShare) {
+  TunerLimits l = limits(0, 4);
+  l.explore_share = 0.1;
+  AutoTuner tuner(l, TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(0.1);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_EQ(tuner.setting().threads, 1);
+  EXPECT_FALSE(feed.window(1.8, 0.0));
+  EXPECT_FALSE(feed.window(1.8, 0.0));
+  EXPECT_EQ(tuner.setting().threads, 1); // kept
+  // From one thread on, the consumer does not produce: the share holds
+  // (4 windows so far, 2 of them a trial's), whatever it waits.
+  for (int w = 0; w < 10; ++w) {
+    EXPECT_FALSE(feed.window(1.0, 0.5)) << "window " << tuner.windows();
+  }
+}
+
+// The share counts the windows of the runs a memory carries: an epoch of
+// 7 windows tries nothing; the next, resumed, tries at its 3rd (the 10th).
+TEST(AutoTuner, TheShareCountsAcrossResumedRuns) {
+  TunerLimits l = limits(0, 4);
+  l.explore_share = 0.1;
+  AutoTuner first(l, TunerSetting{0, 2});
+  {
+    Feed feed(first);
+    feed.set_inline_cpu(0.9);
+    for (int w = 0; w < 7; ++w) {
+      ASSERT_FALSE(feed.window(1.0, 0.5));
+    }
+  }
+  EXPECT_EQ(first.trials(), 0);
+  const TunerMemory m = first.memory();
+  EXPECT_EQ(m.windows, 7);
+  AutoTuner second(l, m);
+  Feed feed(second);
+  feed.set_inline_cpu(0.9);
+  ASSERT_FALSE(feed.window(1.0, 0.5)); // this run's opening
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_TRUE(feed.window(1.0, 0.5));
+  EXPECT_EQ(second.setting().threads, 1);
+  EXPECT_EQ(second.memory().windows, 10);
 }
 
 } // namespace

@@ -16,6 +16,10 @@ is a training step (an MLP with SGD) sized against it. Per cell:
 * ``torchdata``: torchdata.nodes ``ParallelMapper(method="thread",
   num_workers=2)`` over the same index batches, prefetched by 2.
 
+With --explore-share S, ``ours_sS_wN`` also runs: ours with the tuner's
+exploration share at S instead of its default 0.1 (0: trials not held to a
+share of the run, the rule before stop 25), against the same plain loader.
+
 With --epochs E each run trains E epochs of the same loader (as a training
 run does; torch_stage.DataLoader carries its tuning from one epoch to the
 next) and its step time is the mean over them.
@@ -34,7 +38,8 @@ lies at or above 0.97, ``violated`` when it lies below, ``unresolved``
 when it straddles 0.97 (more rounds, or a quieter machine, can settle it),
 ``too few rounds`` under 6 rounds.
 
-Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--epochs E] [--json PATH]
+Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--epochs E]
+       [--cells C...] [--only M...] [--explore-share S] [--json PATH]
 """
 
 import argparse
@@ -131,7 +136,21 @@ def timed(loader, step, steps: int) -> float:
     return elapsed / max(done, 1) * 1000
 
 
-def methods(dataset, n: int):
+class SharedLoader(torch_stage.DataLoader):
+    """Ours with the tuner's exploration share at ``share``."""
+
+    share = 0.1
+
+    def _make_stage(self, source, transform):
+        saved = torch_stage.stage._TUNE_EXPLORE_SHARE
+        torch_stage.stage._TUNE_EXPLORE_SHARE = self.share
+        try:
+            return super()._make_stage(source, transform)
+        finally:
+            torch_stage.stage._TUNE_EXPLORE_SHARE = saved
+
+
+def methods(dataset, n: int, share=None):
     """name -> a zero-argument function making the loader of one epoch."""
     out = {}
     for workers in (0, 2):
@@ -141,6 +160,11 @@ def methods(dataset, n: int):
         out[f"ours_w{workers}"] = lambda w=workers: torch_stage.DataLoader(
             dataset, batch_size=BATCH, shuffle=True, num_workers=w
         )
+        if share is not None:
+            loader = type("Shared", (SharedLoader,), {"share": share})
+            out[f"ours_s{share:g}_w{workers}"] = lambda w=workers, c=loader: c(
+                dataset, batch_size=BATCH, shuffle=True, num_workers=w
+            )
     out["staged"] = lambda: torch_stage.staged(index_batches(n), transform=Load(dataset))
     if ParallelMapper is not None:
         out["torchdata"] = lambda: Loader(
@@ -191,11 +215,18 @@ def run(maker, step, steps: int, epochs: int):
 
 
 def cell(
-    name: str, reps: int, hidden: int, steps: int, rounds: int, only=None, epochs: int = 1
+    name: str,
+    reps: int,
+    hidden: int,
+    steps: int,
+    rounds: int,
+    only=None,
+    epochs: int = 1,
+    share=None,
 ) -> dict:
     n = (steps + 2) * BATCH
     dataset = Images(n, reps)
-    makers = methods(dataset, n)
+    makers = methods(dataset, n, share)
     if only:
         makers = {k: v for k, v in makers.items() if k in only or k.startswith("plain")}
     runs: dict = {k: [] for k in makers}
@@ -305,10 +336,26 @@ def main() -> int:
     )
     parser.add_argument("--cells", nargs="*", default=list(GRID), choices=list(GRID))
     parser.add_argument("--only", nargs="*", default=None, help="methods besides plain_*")
+    parser.add_argument(
+        "--explore-share",
+        type=float,
+        default=None,
+        help="also run ours with the tuner's exploration share at this value (ours_sS_wN)",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
+    if args.explore_share is not None and not 0 <= args.explore_share <= 1:
+        parser.error(f"--explore-share must be in [0, 1], got {args.explore_share}")
     rows = [
-        cell(name, *GRID[name], args.steps, args.rounds, args.only, args.epochs)
+        cell(
+            name,
+            *GRID[name],
+            args.steps,
+            args.rounds,
+            args.only,
+            args.epochs,
+            args.explore_share,
+        )
         for name in progress(args.cells, "cells")
     ]
     print(table(rows))
@@ -320,6 +367,7 @@ def main() -> int:
             "steps": args.steps,
             "rounds": args.rounds,
             "epochs": args.epochs,
+            "explore_share": args.explore_share,
             "batch_size": BATCH,
             "unit": "ms per step (steady state), median over rounds; ratios per round",
             "cells": rows,

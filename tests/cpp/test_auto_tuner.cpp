@@ -66,6 +66,13 @@ TunerLimits limits(int64_t min_threads, int64_t max_threads) {
   return l;
 }
 
+// limits(0, 4) with trials held to a tenth of the run, as Stage holds them.
+TunerLimits sharing_limits() {
+  TunerLimits l = limits(0, 4);
+  l.explore_share = 0.1;
+  return l;
+}
+
 TEST(AutoTuner, AWaitingConsumerGetsAThreadThatPays) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
   Feed feed(tuner);
@@ -323,8 +330,7 @@ TEST(AutoTuner, MemoryIsTheSettledSettingNotATrialAndIsClampedOnResume) {
 // thread would need a core) waits for window 10 before a thread is tried,
 // and a refused trial's window holds the next to window 20.
 TEST(AutoTuner, TrialsTakeAtMostTheirShareOfTheRun) {
-  TunerLimits l = limits(0, 4);
-  l.explore_share = 0.1;
+  const TunerLimits l = sharing_limits();
   AutoTuner tuner(l, TunerSetting{0, 2});
   Feed feed(tuner);
   feed.set_inline_cpu(0.95);
@@ -361,8 +367,7 @@ TEST(AutoTuner, TrialsTakeAtMostTheirShareOfTheRun) {
 // reading, worker processes) gets its thread's trial at once: overlapping
 // a wait takes no core from the step.
 TEST(AutoTuner, OverlappingAWaitIsNotHeldToTheShare) {
-  TunerLimits l = limits(0, 4);
-  l.explore_share = 0.1;
+  const TunerLimits l = sharing_limits();
   AutoTuner tuner(l, TunerSetting{0, 2});
   Feed feed(tuner);
   feed.set_inline_cpu(0.1);
@@ -382,8 +387,7 @@ TEST(AutoTuner, OverlappingAWaitIsNotHeldToTheShare) {
 // The share counts the windows of the runs a memory carries: an epoch of
 // 7 windows tries nothing; the next, resumed, tries at its 3rd (the 10th).
 TEST(AutoTuner, TheShareCountsAcrossResumedRuns) {
-  TunerLimits l = limits(0, 4);
-  l.explore_share = 0.1;
+  const TunerLimits l = sharing_limits();
   AutoTuner first(l, TunerSetting{0, 2});
   {
     Feed feed(first);

@@ -379,8 +379,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             at run time from the training loop's measured rate (see
             ``torch_stage.staged``); ``stats()["tuning"]`` says what it
             chose and why. Each epoch starts from what the last one's
-            tuning learnt (capacity, which moves did not pay), without a
-            staging thread. False: 1 thread and capacity 2 unless given.
+            tuning learnt (capacity, which moves did not pay, how much of
+            the run trials took), without a staging thread. A first thread
+            is tried at once where ``next()`` mostly waits to make a batch
+            (reading, or the workers' queue), and only after window 10
+            where it computes (a thread would need a core the step uses).
+            False: 1 thread and capacity 2 unless given.
         stage_subgraph_stream_id: the staging stream for the copies
             (torch_stage's own, never a multi-stream side stream; 0: the
             consumer's current stream). The consumer's stream waits for each

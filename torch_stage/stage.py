@@ -528,7 +528,10 @@ def staged(
             thread more (when the consumer waits), a deeper buffer (when it
             waits while producers are blocked: bursty production) or a
             thread fewer (when it does not wait) is tried for a window and
-            kept only when the consumer's rate says so. Capacity stays within
+            kept only when the consumer's rate says so. Trials take at most
+            a tenth of the windows so far (the first waits for window 10),
+            since a short run cannot earn back one that did not pay.
+            Capacity stays within
             1/16 of the machine's memory (at most 2 GiB) over the first
             item's size. ``stats()["threads"]``, ``stats()["capacity"]`` and
             ``stats()["tuning"]["decisions"]`` say what it chose and why.

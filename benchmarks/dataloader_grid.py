@@ -139,7 +139,9 @@ def timed(loader, step, steps: int) -> float:
 class SharedLoader(torch_stage.DataLoader):
     """Ours with the tuner's exploration share at ``share``."""
 
-    share = 0.1
+    def __init__(self, *args, share: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share = share
 
     def _make_stage(self, source, transform):
         saved = torch_stage.stage._TUNE_EXPLORE_SHARE
@@ -161,9 +163,8 @@ def methods(dataset, n: int, share=None):
             dataset, batch_size=BATCH, shuffle=True, num_workers=w
         )
         if share is not None:
-            loader = type("Shared", (SharedLoader,), {"share": share})
-            out[f"ours_s{share:g}_w{workers}"] = lambda w=workers, c=loader: c(
-                dataset, batch_size=BATCH, shuffle=True, num_workers=w
+            out[f"ours_s{share:g}_w{workers}"] = lambda w=workers: SharedLoader(
+                dataset, batch_size=BATCH, shuffle=True, num_workers=w, share=share
             )
     out["staged"] = lambda: torch_stage.staged(index_batches(n), transform=Load(dataset))
     if ParallelMapper is not None:

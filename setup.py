@@ -97,6 +97,44 @@ def _write_build_config():
     )
 
 
+#: Symbols that only a whole copy of libstdc++ defines: std::locale's
+#: members and ostream's number formatting (every libstdc++.so.6 exports
+#: them, so a toolchain that links just the symbols its system library
+#: lacks, as devtoolset's libstdc++_nonshared does, never adds these).
+_PRIVATE_RUNTIME_PREFIXES = ("_ZNSt6locale", "_ZNSo9_M_insert")
+
+
+def _check_shared_cxx_runtime(path, compiler):
+    """Refuse a library that carries its own copy of libstdc++.
+
+    torch's libraries use the process's shared libstdc++; a second copy in
+    ours keeps its own std::locale state, and the first number formatted
+    into a stream (a stage naming its threads) crashes in codecvt. A GPU
+    machine's /opt/gcc/bin/g++ (its CXX) links one without any flag on the
+    command line; every staged run there died of it.
+    """
+    import shutil
+    import subprocess
+
+    if not sys.platform.startswith("linux") or shutil.which("nm") is None:
+        return
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", path], capture_output=True, text=True, check=False
+    ).stdout
+    private = [
+        line.split()[-1]
+        for line in out.splitlines()
+        if line.strip() and line.split()[-1].startswith(_PRIVATE_RUNTIME_PREFIXES)
+    ]
+    if private:
+        sys.exit(
+            f"torch_stage: {os.path.basename(path)} was linked with a copy of libstdc++ of its "
+            f"own ({len(private)} symbols such as {private[0]}) by {compiler}; beside the "
+            "shared one torch uses it crashes at run time. Build with a compiler that links "
+            "libstdc++ dynamically, e.g. CXX=c++ (or CXX=g++) in the environment."
+        )
+
+
 class BuildExtension(cpp_extension.BuildExtension):
     """torch's BuildExtension, taught that the core is a plain library.
 
@@ -114,6 +152,14 @@ class BuildExtension(cpp_extension.BuildExtension):
         )
         super().run()
 
+    def build_extension(self, ext):
+        if ext.name != CORE_NAME:
+            core_dir = os.path.dirname(self.get_ext_fullpath(CORE_NAME))
+            ext.library_dirs.append(core_dir)
+        super().build_extension(ext)
+        # cpp_extension compiles and links with $CXX (else c++).
+        _check_shared_cxx_runtime(self.get_ext_fullpath(ext.name), os.environ.get("CXX", "c++"))
+
     def get_ext_filename(self, fullname):
         # setuptools asks with the full dotted name and with the last part.
         parts = fullname.split(".")
@@ -125,12 +171,6 @@ class BuildExtension(cpp_extension.BuildExtension):
         # The core's folder holds no Python package, so nothing else makes it.
         os.makedirs(os.path.join(ROOT, *CORE_NAME.split(".")[:-1]), exist_ok=True)
         super().copy_extensions_to_source()
-
-    def build_extension(self, ext):
-        if ext.name != CORE_NAME:
-            core_dir = os.path.dirname(self.get_ext_fullpath(CORE_NAME))
-            ext.library_dirs.append(core_dir)
-        super().build_extension(ext)
 
 
 def _extensions():

@@ -1,5 +1,7 @@
 """The rewrite with stream ops (torch_stage/fx/multi_stream_pass.py)."""
 
+import copy
+import io
 import operator
 
 import pytest
@@ -279,3 +281,97 @@ def test_a_run_forked_before_a_forward_that_raises_is_left_running():
     _ops.record_event(run, 0, 1)
     _ops.sync(run, -1, 0, [0], None)
     _ops.join(run, [1])
+
+
+class _ModeReadingBranches(nn.Module):
+    """Two branches that read ``self.training`` as a value, as torchvision's
+    stochastic depth and functional dropout do: tracing freezes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)  # reads its flag when it runs
+
+    def forward(self, x):
+        left = nn.functional.dropout(self.a(x), 0.5, training=self.training)
+        right = self.b(x)
+        if self.training:
+            right = right * 2
+        return self.bn(left + right)
+
+
+class _ModeBlind(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)  # a module: reads its flag when it runs
+
+    def forward(self, x):
+        return self.drop(self.a(x)) + self.b(x)
+
+
+def _reference(model, mode):
+    return torch.fx.symbolic_trace(model.train(mode))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["planned_in_eval", "planned_in_train"])
+def test_a_plan_follows_train_and_eval_where_tracing_froze_the_mode(first):
+    torch.manual_seed(0)
+    model = _ModeReadingBranches().train(first)
+    ms = torch_stage.multi_stream(model, num_streams=2)
+    assert len(ms.stream_plan.streams_used) == 2
+    planned = ms.stream_plan
+    x = torch.randn(8, 16)
+    calls = []
+    ms.register_forward_hook(lambda *_: calls.append(1))
+    for mode in (not first, first, not first):
+        ms.train(mode)
+        expected_module = _reference(_ModeReadingBranches(), mode)
+        expected_module.load_state_dict(ms.state_dict())
+        torch.manual_seed(1)
+        expected = expected_module(x)
+        torch.manual_seed(1)
+        got = ms(x)
+        assert torch.equal(got, expected), mode
+        assert (ms.stream_plan is planned) == (mode == first)
+    assert len(calls) == 3  # the module's own hooks, in either mode
+    # A copy runs the plan of the mode it was copied in.
+    copied = copy.deepcopy(ms)
+    assert copied.training == (not first)
+    torch.manual_seed(1)
+    expected = copied(x)
+    torch.manual_seed(1)
+    assert torch.equal(ms(x), expected)
+    assert copied.stream_plan is not None
+
+
+def test_a_graph_that_does_not_read_the_mode_is_planned_once():
+    ms = torch_stage.multi_stream(_ModeBlind().eval(), num_streams=2)
+    planned = ms.stream_plan
+    ms.train()
+    assert ms.stream_plan is planned
+    assert "forward" not in ms.__dict__
+    torch.manual_seed(1)
+    out = ms(torch.ones(4, 16))
+    assert (out == ms.b(torch.ones(4, 16))).any()  # dropout zeroed some of a's part
+
+
+def test_a_pickled_plan_is_the_plan_in_effect_even_with_a_cost_model_that_does_not_pickle():
+    torch.manual_seed(0)
+    ms = torch_stage.multi_stream(
+        _ModeReadingBranches().eval(), num_streams=2, cost_model=lambda node: 1.0
+    )
+    x = torch.randn(8, 16)
+    for mode in (False, True):
+        ms.train(mode)
+        buffer = io.BytesIO()
+        torch.save(ms, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert loaded.training == mode
+        torch.manual_seed(1)
+        expected = ms(x)
+        torch.manual_seed(1)
+        assert torch.equal(loaded(x), expected), mode

@@ -114,6 +114,11 @@ def multi_stream(
         events and waits, and a readable ``str()``. With ``cuda_graphs=True``
         a :class:`torch_stage.CUDAGraphModule` whose ``module`` is that
         ``GraphModule`` (and whose ``stream_plan`` is its plan).
+        ``train()`` and ``eval()`` on the ``GraphModule`` switch plans where
+        tracing froze the mode into the graph (functional dropout,
+        stochastic depth, ``if self.training``): the module is traced in the
+        new mode once and, if the graph differs, planned again; both plans
+        share the parameters.
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).

@@ -113,7 +113,11 @@ class MultiStreamPass:
             return self.call(module)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"multi_stream needs a torch.nn.Module, got {type(module).__name__}")
-        return self.call(self.trace(module))
+        traced = self.trace(module)
+        result = self.call(traced)
+        if isinstance(result, _GraphModule) and not self.cuda_graphs:
+            result._mode_source = _ModeSource(self, module, traced.code)
+        return result
 
     def trace(self, module: torch.nn.Module) -> torch.fx.GraphModule:
         """Trace ``module`` keeping stream annotations, or explain why not."""
@@ -299,12 +303,101 @@ def _report_generated_code(exc: Exception) -> None:
         raise exc.with_traceback(None)
 
 
+class _ModeSource:
+    """What a traced module needs to be planned again in the other training
+    mode.
+
+    Tracing runs forward once, so whatever forward reads of ``self.training``
+    as a value is frozen into the graph: ``F.dropout(x, training=
+    self.training)``, torchvision's ``stochastic_depth(x, p, mode,
+    self.training)``, a branch on ``if self.training``. (Modules called as
+    modules, ``nn.Dropout`` and ``nn.BatchNorm2d``, read their flag when they
+    run and need nothing.) ``torch.fx`` leaves such a graph in the mode it
+    was traced in whatever ``train()`` says; ``torch.compile`` guards on the
+    flag and recompiles. A plan made with ``model.eval()`` and trained with
+    would then skip stochastic depth and dropout, silently: the first GPU
+    run of the zoo trained a plan made in eval, and torchvision's
+    EfficientNet, ConvNeXt, Swin and MaxViT came out wrong. So
+    ``train(mode)`` on the result traces the module in the new mode, once,
+    and if the graph differs, plans it and runs that plan while the mode
+    holds. Both plans share the module's parameters. (A
+    pickled result is the plan in effect: it no longer switches.)
+    """
+
+    __slots__ = ("stream_pass", "module", "training", "code", "plans")
+
+    def __init__(self, stream_pass: MultiStreamPass, module: torch.nn.Module, code: str):
+        self.stream_pass = stream_pass
+        self.module = module
+        self.training = module.training
+        self.code = code
+        # training mode -> the rewritten module for it (None: the graph
+        # traced in that mode is this one's).
+        self.plans: Dict[bool, Optional[torch.fx.GraphModule]] = {self.training: None}
+
+    def plan_for(self, mode: bool) -> Optional[torch.fx.GraphModule]:
+        if mode not in self.plans:
+            # The result's submodules are the module's own (train() on the
+            # result has set them); the module's own flag is set to match.
+            self.module.train(mode)
+            traced = self.stream_pass.trace(self.module)
+            self.plans[mode] = (
+                None if traced.code == self.code else self.stream_pass.rewrite(traced)
+            )
+        return self.plans[mode]
+
+
 class _GraphModule(torch.fx.GraphModule):
     """The ``GraphModule`` the pass returns for a plan with one stream (the
     traced graph, no stream ops): called through ``nn.Module.__call__``
     directly (:func:`_graph_module_call`)."""
 
     _call = staticmethod(_graph_module_call)
+
+    def __deepcopy__(self, memo):
+        res = super().__deepcopy__(memo)
+        # GraphModule's copy keeps only what the graph references.
+        for name in ("stream_plan", "_own_stream_plan", "_mode_source"):
+            if name in self.__dict__:
+                res.__dict__[name] = copy.deepcopy(self.__dict__[name], memo)
+        if "forward" in self.__dict__:
+            res.train(self.training)  # the copy runs its own copy of that plan
+        return res
+
+    def __reduce__(self):
+        # Pickled: the plan in effect, without what planning again needs
+        # (the pass may hold a cost model that does not pickle).
+        active = self.__dict__.get("forward")
+        if active is not None:
+            return active.__self__.__reduce__()
+        source = self.__dict__.pop("_mode_source", None)
+        try:
+            return super().__reduce__()
+        finally:
+            if source is not None:
+                self.__dict__["_mode_source"] = source
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        source = self.__dict__.get("_mode_source")
+        if source is None:
+            return self
+        other = source.plan_for(bool(mode))
+        if other is None:
+            # The forward traced in this mode: the class's generated code.
+            self.__dict__.pop("forward", None)
+            self.stream_plan = self.__dict__.get("_own_stream_plan", self.stream_plan)
+        else:
+            self.__dict__.setdefault("_own_stream_plan", self.stream_plan)
+            other.training = bool(mode)
+            # An instance attribute shadows the class's forward; hooks and
+            # __call__ stay this module's. A plan that forks needs the
+            # __call__ that finishes its runs on an exception.
+            self.__dict__["forward"] = other.forward
+            self.stream_plan = other.stream_plan
+            if isinstance(other, MultiStreamGraphModule):
+                type(self).__call__ = _finishing_call
+        return self
 
     def recompile(self):
         code = super().recompile()

@@ -126,6 +126,10 @@ def _next_compile_scope() -> int:
 # set here directly so that importing torch_stage does not import Dynamo.
 _annotation_dropped._dynamo_marked_constant = True
 _next_compile_scope._dynamo_marked_constant = True
+# Run at trace time too: traced, its read of the thread-local became a
+# guard (torch 2.11 on an H200: `_annotations.entered == 0`), and every
+# eager call of the module in between recompiled it.
+_count_if_exporting._dynamo_marked_constant = True
 
 
 def _compiled_block(note: dict, what: str):

@@ -19,6 +19,11 @@
 #                make test runs its quick profile)
 #   make zoo     multi-stream on torchvision's models under the stream
 #                sanitizer, in a venv of its own (torch 2.14.1 + torchvision)
+#   make gpu-check  on a CUDA machine: the `cuda` tests, again under
+#                TORCH_CUDA_SANITIZER=1, the zoo on real streams, the demo
+#                and the multi-stream benchmark, with GPU_PYTHON (default
+#                python3, a CUDA build of torch; no venv), logs in
+#                build/gpu-check/ (tests/gpu_check.sh)
 #
 # Set-up is part of every target: a .venv with TORCH_SPEC and the test
 # dependencies, and GoogleTest and zlib (Debian's libgtest-dev, zlib1g-dev)
@@ -50,7 +55,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench bench-tf torture zoo clean distclean
+.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench bench-tf torture zoo gpu-check clean distclean
 
 all: test
 
@@ -203,6 +208,12 @@ zoo: gtest $(ZOO_EXT_STAMP) $(ZOO_RUNNER)
 	cd tests && TORCH_STAGE_ZOO_RUNNER=$(abspath $(ZOO_RUNNER)) \
 	  ../$(ZOO_VENV)/bin/python -m pytest -p no:cacheprovider --rootdir=.. \
 	  -c ../pyproject.toml zoo_torchvision $(PYTEST_ARGS)
+
+# Not part of CI (no GPU there). Its own python3 and no set-up: GPU
+# machines here reach no package index.
+GPU_CHECK_SECONDS ?= 585
+gpu-check:
+	bash tests/gpu_check.sh $(BUILD)/gpu-check $(GPU_CHECK_SECONDS)
 
 # The report page. torchvision (GoogLeNet's plan) loads only in the zoo venv,
 # so the page is drawn there, from outside the source tree like the zoo; the

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, in one go, with the python3 that holds
+# a CUDA build of torch (no venv: GPU machines here have no package index).
+#
+#   bash tests/gpu_check.sh OUT_DIR [SECONDS]
+#
+# Builds the extension in place against that torch (GPU_CHECK_SKIP_BUILD=1:
+# already built), then, in order of worth,
+# each step bounded by what is left of SECONDS (default 585):
+#   1. the `cuda` tests of the main suite;
+#   2. the `cuda` tests of the stream and staging modules, and the zoo's
+#      eval/train test for its two many-branched models, again under
+#      TORCH_CUDA_SANITIZER=1 (PyTorch's stream sanitizer over every kernel);
+#   3. the zoo's `cuda` tests (torchvision models on four real streams, and
+#      torch.cuda._sanitizer against each removed wait);
+#   4. the demo and benchmarks/multi_stream.py (models section, GPU times).
+# Logs and JSON go to OUT_DIR; the last lines say which step passed. The
+# CSAN step stops at its fourth failure, so that their reports are printed
+# before its time runs out (pytest prints them at the end).
+#
+# The compiler is $CXX, else c++. setup.py refuses a library linked with a
+# copy of libstdc++ of its own (it crashes beside torch's): on a machine
+# whose CXX does that (one GPU machine here: /opt/gcc/bin/g++), run with
+# CXX=c++.
+set -u
+OUT=${1:?usage: tests/gpu_check.sh OUT_DIR [SECONDS]}
+BUDGET=${2:-585}
+PY=${GPU_PYTHON:-python3}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+mkdir -p "$OUT"
+START=$SECONDS
+SUMMARY=()
+export PYTHONUNBUFFERED=1
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+# step NAME CAP LOG command...: runs under min(CAP, time left - 15 s).
+step() {
+  local name=$1 cap=$2 log=$3
+  shift 3
+  local t
+  t=$(left)
+  t=$((t - 15 < cap ? t - 15 : cap))
+  if ((t < 20)); then
+    SUMMARY+=("$name: not run (no time left)")
+    return
+  fi
+  echo "== $name (at most ${t}s) =="
+  local s=$SECONDS rc
+  timeout -k 5 "$t" "$@" >"$OUT/$log" 2>&1
+  rc=$?
+  tail -n 25 "$OUT/$log"
+  SUMMARY+=("$name: rc=$rc in $((SECONDS - s))s ($(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$OUT/$log" | tail -1))")
+}
+
+{
+  nvidia-smi -L
+  "$PY" -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'
+} 2>&1 | tee "$OUT/summary.txt"
+
+echo "== build =="
+s=$SECONDS
+if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then
+  echo "skipped (GPU_CHECK_SKIP_BUILD=1)"
+elif ! MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --disable-pip-version-check \
+  --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  tail -n 60 "$OUT/build.log"
+  echo "build failed after $((SECONDS - s))s"
+  exit 1
+else
+  echo "built in $((SECONDS - s))s"
+fi
+
+PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rfEs --continue-on-collection-errors)
+step "cuda tests" 120 cuda.log "${PYTEST[@]}" -m cuda --timeout 120 tests \
+  --ignore=tests/zoo_torchvision
+step "cuda tests under TORCH_CUDA_SANITIZER=1" 110 csan.log env TORCH_CUDA_SANITIZER=1 \
+  "${PYTEST[@]}" -m cuda --timeout 150 --maxfail 4 tests/test_streams.py tests/test_stream_ops.py \
+  tests/test_stream_scope.py tests/test_stage.py tests/test_loader.py tests/test_records.py \
+  tests/test_records_staged.py tests/test_compile_backend.py tests/test_cuda_graphs.py \
+  tests/zoo_torchvision -k "not removed_waits and (not zoo or googlenet or inception_v3)"
+step "zoo on cuda" 120 zoo.log "${PYTEST[@]}" -m cuda --timeout 300 tests/zoo_torchvision
+step "demo" 60 demo.log "$PY" examples/demo.py --steps 400 --rounds 2
+step "multi_stream benchmark" 80 multi_stream.log "$PY" benchmarks/multi_stream.py \
+  --only-models --no-inductor --iters 20 --rounds 2 --json "$OUT/multi_stream.json"
+
+echo "== summary (${BUDGET}s budget, $((SECONDS - START))s used) =="
+printf '%s\n' "${SUMMARY[@]}" | tee -a "$OUT/summary.txt"

@@ -19,6 +19,9 @@ is a training step (an MLP with SGD) sized against it. Per cell:
 With --explore-share S, ``ours_sS_wN`` also runs: ours with the tuner's
 exploration share at S instead of its default 0.1 (0: trials not held to a
 share of the run, the rule before stop 25), against the same plain loader.
+With --waiting-cpu-share W, ``ours_cW_wN``: ours with the line at W (default
+0.5) under which the loop's own production counts as waiting, so that a
+first staging thread is tried at once.
 
 With --epochs E each run trains E epochs of the same loader (as a training
 run does; torch_stage.DataLoader carries its tuning from one epoch to the
@@ -136,23 +139,26 @@ def timed(loader, step, steps: int) -> float:
     return elapsed / max(done, 1) * 1000
 
 
-class SharedLoader(torch_stage.DataLoader):
-    """Ours with the tuner's exploration share at ``share``."""
+class TunedLoader(torch_stage.DataLoader):
+    """Ours with some of the tuner's private settings changed (names of
+    ``torch_stage.stage``'s ``_TUNE_*`` globals -> values)."""
 
-    def __init__(self, *args, share: float, **kwargs):
+    def __init__(self, *args, tuning: dict, **kwargs):
         super().__init__(*args, **kwargs)
-        self.share = share
+        self.tuning = tuning
 
     def _make_stage(self, source, transform):
-        saved = torch_stage.stage._TUNE_EXPLORE_SHARE
-        torch_stage.stage._TUNE_EXPLORE_SHARE = self.share
+        saved = {name: getattr(torch_stage.stage, name) for name in self.tuning}
+        for name, value in self.tuning.items():
+            setattr(torch_stage.stage, name, value)
         try:
             return super()._make_stage(source, transform)
         finally:
-            torch_stage.stage._TUNE_EXPLORE_SHARE = saved
+            for name, value in saved.items():
+                setattr(torch_stage.stage, name, value)
 
 
-def methods(dataset, n: int, share=None):
+def methods(dataset, n: int, share=None, waiting=None):
     """name -> a zero-argument function making the loader of one epoch."""
     out = {}
     for workers in (0, 2):
@@ -162,9 +168,14 @@ def methods(dataset, n: int, share=None):
         out[f"ours_w{workers}"] = lambda w=workers: torch_stage.DataLoader(
             dataset, batch_size=BATCH, shuffle=True, num_workers=w
         )
+        variants = {}
         if share is not None:
-            out[f"ours_s{share:g}_w{workers}"] = lambda w=workers: SharedLoader(
-                dataset, batch_size=BATCH, shuffle=True, num_workers=w, share=share
+            variants[f"ours_s{share:g}_w{workers}"] = {"_TUNE_EXPLORE_SHARE": share}
+        if waiting is not None:
+            variants[f"ours_c{waiting:g}_w{workers}"] = {"_TUNE_WAITING_CPU_SHARE": waiting}
+        for name, tuning in variants.items():
+            out[name] = lambda w=workers, t=tuning: TunedLoader(
+                dataset, batch_size=BATCH, shuffle=True, num_workers=w, tuning=t
             )
     out["staged"] = lambda: torch_stage.staged(index_batches(n), transform=Load(dataset))
     if ParallelMapper is not None:
@@ -224,10 +235,11 @@ def cell(
     only=None,
     epochs: int = 1,
     share=None,
+    waiting=None,
 ) -> dict:
     n = (steps + 2) * BATCH
     dataset = Images(n, reps)
-    makers = methods(dataset, n, share)
+    makers = methods(dataset, n, share, waiting)
     if only:
         makers = {k: v for k, v in makers.items() if k in only or k.startswith("plain")}
     runs: dict = {k: [] for k in makers}
@@ -343,10 +355,19 @@ def main() -> int:
         default=None,
         help="also run ours with the tuner's exploration share at this value (ours_sS_wN)",
     )
+    parser.add_argument(
+        "--waiting-cpu-share",
+        type=float,
+        default=None,
+        help="also run ours with the tuner's line between inline production that waits "
+        "and that computes at this share of its time on the CPU (ours_cW_wN)",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     if args.explore_share is not None and not 0 <= args.explore_share <= 1:
         parser.error(f"--explore-share must be in [0, 1], got {args.explore_share}")
+    if args.waiting_cpu_share is not None and not 0 <= args.waiting_cpu_share <= 1:
+        parser.error(f"--waiting-cpu-share must be in [0, 1], got {args.waiting_cpu_share}")
     rows = [
         cell(
             name,
@@ -356,6 +377,7 @@ def main() -> int:
             args.only,
             args.epochs,
             args.explore_share,
+            args.waiting_cpu_share,
         )
         for name in progress(args.cells, "cells")
     ]
@@ -369,6 +391,7 @@ def main() -> int:
             "rounds": args.rounds,
             "epochs": args.epochs,
             "explore_share": args.explore_share,
+            "waiting_cpu_share": args.waiting_cpu_share,
             "batch_size": BATCH,
             "unit": "ms per step (steady state), median over rounds; ratios per round",
             "cells": rows,

@@ -273,6 +273,19 @@ def test_autotune_makes_batches_in_the_loop_when_a_thread_does_not_pay():
     assert int(first_trial.split()[1].rstrip(":")) >= 10, decisions
 
 
+def test_the_line_between_waiting_and_computing_in_the_loop_reaches_the_tuner(monkeypatch):
+    # Everything under 100% of its time on the CPU counts as waiting: the
+    # same busy loop as above now gets its thread's trial at once.
+    monkeypatch.setattr(torch_stage.stage, "_TUNE_WAITING_CPU_SHARE", 1.01)
+    loader = torch_stage.DataLoader(SlowOffTheLoop(), batch_size=1)
+    for i, _ in enumerate(loader):
+        _busy(0.001)
+        if i == 150:
+            break
+    decisions = loader.stats()["tuning"]["decisions"]
+    assert decisions[0].startswith("window 2: trying 1 thread"), decisions
+
+
 class WaitsInTheLoop(torch.utils.data.Dataset):
     """Items that take 3 ms of waiting and little CPU (as reading a file
     does, or the plain DataLoader's next() waiting for its workers)."""

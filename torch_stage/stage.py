@@ -675,6 +675,9 @@ _TUNE_WINDOW = (8, 50_000_000)
 # DataLoader's epochs (csrc/staging/auto_tuner.h says why; tests make it 0
 # with the window above).
 _TUNE_EXPLORE_SHARE = 0.1
+# Inline production under this share of its time on the consumer's CPU
+# counts as waiting: a first thread's trial then runs at once (auto_tuner.h).
+_TUNE_WAITING_CPU_SHARE = 0.5
 
 
 def _usable_cores() -> int:
@@ -720,6 +723,7 @@ def _tuning(capacity, num_threads, autotune: bool, min_threads: int) -> dict:
         tune_window_items=_TUNE_WINDOW[0],
         tune_window_ns=_TUNE_WINDOW[1],
         tune_explore_share=_TUNE_EXPLORE_SHARE,
+        tune_waiting_cpu_share=_TUNE_WAITING_CPU_SHARE,
     )
 
 

@@ -519,6 +519,7 @@ void init_stage(py::module_& m) {
                       int64_t tune_window_items,
                       int64_t tune_window_ns,
                       double tune_explore_share,
+                      double tune_waiting_cpu_share,
                       py::object tuning_memory) {
             StageOptions options;
             options.name = name;
@@ -540,6 +541,7 @@ void init_stage(py::module_& m) {
             options.tune_window_items = tune_window_items;
             options.tune_window_ns = tune_window_ns;
             options.tune_explore_share = tune_explore_share;
+            options.tune_waiting_cpu_share = tune_waiting_cpu_share;
             if (!tuning_memory.is_none()) {
               options.tuning_memory = memory_from(tuning_memory);
             }
@@ -584,6 +586,7 @@ void init_stage(py::module_& m) {
           py::arg("tune_window_items") = 8,
           py::arg("tune_window_ns") = 50'000'000,
           py::arg("tune_explore_share") = 0.1,
+          py::arg("tune_waiting_cpu_share") = 0.5,
           py::arg("tuning_memory") = py::none())
       .def(
           "start",

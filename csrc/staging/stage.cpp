@@ -263,6 +263,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       limits.window_items = options.tune_window_items;
       limits.window_ns = options.tune_window_ns;
       limits.explore_share = options.tune_explore_share;
+      limits.waiting_cpu_share = options.tune_waiting_cpu_share;
       if (options.tuning_memory) {
         tuner.emplace(limits, *options.tuning_memory);
         buffer.set_capacity(static_cast<size_t>(tuner->setting().capacity));

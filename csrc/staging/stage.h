@@ -206,6 +206,9 @@ struct StageOptions {
   // The share of windows trials may take (TunerLimits::explore_share; 0:
   // no bound); tests that change the setting all the time make it 0.
   double tune_explore_share = 0.1;
+  // Inline production under this share of its time on the consumer's CPU
+  // counts as waiting (TunerLimits::waiting_cpu_share); benchmarks vary it.
+  double tune_waiting_cpu_share = 0.5;
   // Start from what an earlier stage's tuner learnt (Stage::tuning_memory;
   // clamped to these bounds) instead of initial_threads and capacity.
   std::optional<TunerMemory> tuning_memory;

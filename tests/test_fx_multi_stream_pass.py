@@ -375,3 +375,14 @@ def test_a_pickled_plan_is_the_plan_in_effect_even_with_a_cost_model_that_does_n
         expected = ms(x)
         torch.manual_seed(1)
         assert torch.equal(loaded(x), expected), mode
+
+
+def test_a_scripted_plan_is_the_plan_in_effect():
+    torch.manual_seed(0)
+    ms = torch_stage.multi_stream(_ModeReadingBranches().eval(), num_streams=2).train()
+    scripted = torch.jit.script(ms)
+    x = torch.randn(8, 16)
+    torch.manual_seed(1)
+    expected = ms(x)
+    torch.manual_seed(1)
+    assert torch.equal(scripted(x), expected)

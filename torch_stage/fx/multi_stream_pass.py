@@ -321,7 +321,8 @@ class _ModeSource:
     ``train(mode)`` on the result traces the module in the new mode, once,
     and if the graph differs, plans it and runs that plan while the mode
     holds. Both plans share the module's parameters. (A
-    pickled result is the plan in effect: it no longer switches.)
+    pickled or scripted result is the plan in effect: it no longer
+    switches.)
     """
 
     __slots__ = ("stream_pass", "module", "training", "code", "plans")

@@ -80,6 +80,23 @@ def rewritten():
     return get
 
 
+def _one_sgd_step_each(reference, ms, x):
+    """A training step (forward, backward, SGD with momentum) of each from
+    the same random state, the multi-stream one under the sanitizer:
+    (reference output, multi-stream output, races)."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (reference, ms)]
+    torch.manual_seed(2)
+    expected = reference(x)
+    expected.logsumexp(1).sum().backward()
+    opts[0].step()
+    torch.manual_seed(2)
+    with torch_stage.sanitize_streams() as sanitizer:
+        got = ms(x)
+        got.logsumexp(1).sum().backward()
+        opts[1].step()
+    return expected, got, sanitizer.races
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_eval_is_race_free_and_bit_identical(name, rewritten):
     model, ms = rewritten(name)
@@ -102,17 +119,8 @@ def test_a_training_step_is_race_free_and_equals_the_same_graph_on_one_stream(na
     traced = torch.fx.symbolic_trace(copy.deepcopy(model).train())
     ms = torch_stage.multi_stream(copy.deepcopy(model).train(), num_streams=4)
     x = _input(name)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (traced, ms)]
-    torch.manual_seed(2)
-    expected = traced(x)
-    expected.logsumexp(1).sum().backward()
-    opts[0].step()
-    torch.manual_seed(2)
-    with torch_stage.sanitize_streams() as sanitizer:
-        got = ms(x)
-        got.logsumexp(1).sum().backward()
-        opts[1].step()
-    assert sanitizer.races == []
+    expected, got, races = _one_sgd_step_each(traced, ms, x)
+    assert races == []
     assert torch.equal(got, expected)
     torch.manual_seed(2)
     assert torch.equal(got, copy.deepcopy(model).train()(x))
@@ -267,19 +275,9 @@ def test_on_cuda_eval_and_a_training_step_on_four_streams_match_one_stream(name,
     # The same rewritten module switched to training mode: where tracing
     # froze the mode (stochastic depth) it plans again (see the test above).
     traced = torch.fx.symbolic_trace(copy.deepcopy(model).train())
-    ms.train()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (traced, ms)]
-    torch.manual_seed(2)
-    expected = traced(x)
-    expected.logsumexp(1).sum().backward()
-    opts[0].step()
-    torch.manual_seed(2)
-    with torch_stage.sanitize_streams() as sanitizer:
-        got = ms(x)
-        got.logsumexp(1).sum().backward()
-        opts[1].step()
+    expected, got, races = _one_sgd_step_each(traced, ms.train(), x)
     torch.cuda.synchronize()
-    assert sanitizer.races == []
+    assert races == []
     torch.testing.assert_close(got, expected, **_cuda_tolerances())
     for (k, a), (_, b) in zip(traced.state_dict().items(), ms.state_dict().items()):
         torch.testing.assert_close(b, a, **_cuda_tolerances(), msg=k)

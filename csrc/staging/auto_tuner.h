@@ -96,6 +96,7 @@ struct TunerLimits {
   double explore_share = 0;
   // Inline production under this share of its time on the consumer's CPU
   // mostly waits: a thread's trial from none is then free of the bound.
+  // Stage passes StageOptions::tune_waiting_cpu_share (0.5).
   double waiting_cpu_share = 0.5;
   std::size_t log_size = 32;
 };

@@ -325,16 +325,15 @@ class _ModeSource:
     switches.)
     """
 
-    __slots__ = ("stream_pass", "module", "training", "code", "plans")
+    __slots__ = ("stream_pass", "module", "code", "plans")
 
     def __init__(self, stream_pass: MultiStreamPass, module: torch.nn.Module, code: str):
         self.stream_pass = stream_pass
         self.module = module
-        self.training = module.training
         self.code = code
         # training mode -> the rewritten module for it (None: the graph
         # traced in that mode is this one's).
-        self.plans: Dict[bool, Optional[torch.fx.GraphModule]] = {self.training: None}
+        self.plans: Dict[bool, Optional[torch.fx.GraphModule]] = {module.training: None}
 
     def plan_for(self, mode: bool) -> Optional[torch.fx.GraphModule]:
         if mode not in self.plans:

@@ -12,6 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # run, so it never measures speed, only that nothing blocks forever.
 HANG_BOUND_S = 60
 
+if os.environ.get("TORCH_CUDA_SANITIZER"):
+    # torch enabled CSAN at import; set right what it gets wrong.
+    from torch_csan import ignore_empty_tensors
+
+    ignore_empty_tensors()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
@@ -37,6 +43,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def caller_stream():
+    """A CUDA stream for a test's caller, ordered after the current stream.
+
+    High priority: PyTorch's pools hand out low- and high-priority streams
+    separately, so it cannot be one of the multi-stream side streams. Ordered:
+    what the test made so far on the default stream (its model, its inputs)
+    is ready for it, as CUDA asks of any program that switches streams. A
+    blocking copy is finished on the host already, but torch.cuda._sanitizer
+    cannot see that, and a fill kernel (torch.ones) is not.
+    """
+    stream = torch.cuda.Stream(priority=-1)
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
 
 
 def devices():

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import devices
+from conftest import caller_stream, devices
 from torch import nn
 from zoo import ZOO, build
 
@@ -378,7 +378,7 @@ def test_backward_after_a_multi_stream_forward_is_correct_on_gpu():
     compiled_model = copy.deepcopy(eager)
     backend = torch_stage.backend(num_streams=4)
     compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
-    caller = torch.cuda.Stream(priority=-1)
+    caller = caller_stream()
     with torch.cuda.stream(caller):
         inputs = entry.inputs(32, "cuda")
         for _ in range(20):

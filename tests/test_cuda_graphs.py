@@ -5,6 +5,7 @@ errors that protect a CPU machine run everywhere."""
 
 import pytest
 import torch
+from conftest import caller_stream
 from torch import nn
 from zoo import ZOO, build
 
@@ -96,7 +97,7 @@ def test_the_captured_graph_forks_and_joins_inside_capture():
     graphed = torch_stage.multi_stream(module, num_streams=4, cuda_graphs=True, warmup=2)
     assert graphed.stream_plan.streams_used == [0, 1, 2, 3]
     inputs = entry.inputs(16, "cuda")
-    caller = torch.cuda.Stream(priority=-1)
+    caller = caller_stream()
     with torch.no_grad(), torch.cuda.stream(caller):
         for _ in range(20):
             torch.testing.assert_close(graphed(*inputs), module(*inputs), rtol=1e-5, atol=1e-6)

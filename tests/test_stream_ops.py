@@ -3,6 +3,7 @@ wait_event/record_stream/join, torch_stage/fx/_ops.py) and plan_streams."""
 
 import pytest
 import torch
+from conftest import caller_stream
 
 import torch_stage  # noqa: F401
 from torch_stage.fx import _ops
@@ -291,9 +292,7 @@ def test_plan_streams_rejects_bad_input(kwargs, error, message):
 @pytest.mark.cuda
 def test_a_cuda_run_uses_the_callers_stream_and_the_shared_pool():
     x = torch.ones(4, device="cuda")
-    # High priority: a different pool from the side streams' (PyTorch's
-    # pools hand out 32 streams round robin; this one cannot alias them).
-    caller = torch.cuda.Stream(priority=-1)
+    caller = caller_stream()
     with torch.cuda.stream(caller):
         run = ops.fork(4, [1, 2, 3], 1, (x,))
         assert run.is_active()

@@ -6,7 +6,7 @@ from typing import List
 
 import pytest
 import torch
-from conftest import devices
+from conftest import caller_stream, devices
 from torch import nn
 from zoo import ZOO, build
 
@@ -157,7 +157,7 @@ def test_scoped_blocks_run_on_side_streams_and_match_eager_on_gpu():
     assert ids[0] != ids[1] and ids[2] == 8
     module = Nested().cuda().eval()
     scripted = torch.jit.script(module)
-    caller = torch.cuda.Stream(priority=-1)
+    caller = caller_stream()
     with torch.cuda.stream(caller):
         for i in range(50):
             torch.manual_seed(i)

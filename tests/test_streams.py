@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import caller_stream
 from torch import nn
 from zoo import ZOO, build
 
@@ -215,9 +216,7 @@ def test_zoo_is_bit_identical_on_gpu_with_random_delays_on_side_streams(entry):
     module = build(entry, "cuda")
     inputs = entry.inputs(16, "cuda")
     gm = _with_side_stream_delays(torch_stage.multi_stream(module, num_streams=4))
-    # High priority: a different pool from the side streams' (PyTorch's
-    # pools hand out 32 streams round robin; this one cannot alias them).
-    caller = torch.cuda.Stream(priority=-1)
+    caller = caller_stream()
     with torch.cuda.stream(caller):
         for i in range(100):
             expected = run(module, inputs, seed=i)

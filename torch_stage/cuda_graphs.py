@@ -255,6 +255,11 @@ class CUDAGraphModule(torch.nn.Module):
         # module returns, i.e. before capture ends.
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             outputs = self.module(*args, **kwargs)
+        # A capture runs nothing, so on the GPU this waits for nothing. But
+        # PyTorch's CSAN (TORCH_CUDA_SANITIZER=1) counts the captured kernels
+        # as launched on the capture and side streams, and without it reports
+        # the caller's next copy into a static input as racing with them.
+        caller.wait_stream(stream)
         return _Captured(graph, static_leaves, copied, outputs, device)
 
     def extra_repr(self) -> str:

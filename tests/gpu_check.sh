@@ -8,14 +8,17 @@
 # already built), then, in order of worth,
 # each step bounded by what is left of SECONDS (default 585):
 #   1. the `cuda` tests of the main suite;
-#   2. the `cuda` tests of the stream and staging modules, and the zoo's
-#      eval/train test for its two many-branched models, again under
-#      TORCH_CUDA_SANITIZER=1 (PyTorch's stream sanitizer over every kernel);
+#   2. the `cuda` tests of the stream, CUDA graph and staging modules, and
+#      the zoo's eval/train test for its two many-branched models, again
+#      under TORCH_CUDA_SANITIZER=1 (PyTorch's stream sanitizer over every
+#      kernel), one pytest per file side by side (csan_<file>.log);
 #   3. the zoo's `cuda` tests (torchvision models on four real streams, and
 #      torch.cuda._sanitizer against each removed wait);
-#   4. the demo and benchmarks/multi_stream.py (models section, GPU times).
-# Logs and JSON go to OUT_DIR; the last lines say which step passed. The
-# CSAN step stops at its fourth failure, so that their reports are printed
+#   4. the demo, benchmarks/multi_stream.py (models section, GPU times) and
+#      benchmarks/device_staging.py (host-to-device staging against the
+#      plain ways).
+# Logs and JSON go to OUT_DIR; the last lines say which step passed. Each
+# CSAN file stops at its fourth failure, so that their reports are printed
 # before its time runs out (pytest prints them at the end).
 #
 # The compiler is $CXX, else c++. setup.py refuses a library linked with a
@@ -75,15 +78,38 @@ fi
 PYTEST=("$PY" -m pytest -p no:cacheprovider -v -rfEs --continue-on-collection-errors)
 step "cuda tests" 120 cuda.log "${PYTEST[@]}" -m cuda --timeout 120 tests \
   --ignore=tests/zoo_torchvision
-step "cuda tests under TORCH_CUDA_SANITIZER=1" 110 csan.log env TORCH_CUDA_SANITIZER=1 \
-  "${PYTEST[@]}" -m cuda --timeout 150 --maxfail 4 tests/test_streams.py tests/test_stream_ops.py \
-  tests/test_stream_scope.py tests/test_stage.py tests/test_loader.py tests/test_records.py \
-  tests/test_records_staged.py tests/test_compile_backend.py tests/test_cuda_graphs.py \
-  tests/zoo_torchvision -k "not removed_waits and (not zoo or googlenet or inception_v3)"
+# One pytest per file, side by side: CSAN is Python work on every op, and
+# a GPU machine has the cores. Left out: the timing tests (CSAN slows every
+# op), the torch.compile ones (Dynamo compiles nothing while a dispatch mode
+# such as CSAN is active, so they would run eager; the backend's own CSAN
+# test compiles first and then enables CSAN, in the plain step), and the
+# zoo but its two many-branched models.
+csan_files() {
+  local pids=() f
+  for f in tests/test_streams.py tests/test_stream_ops.py tests/test_stream_scope.py \
+    tests/test_stage.py tests/test_loader.py tests/test_records.py \
+    tests/test_records_staged.py tests/test_cuda_graphs.py tests/zoo_torchvision; do
+    TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m cuda --timeout 300 --maxfail 4 "$f" \
+      -k "not torchs_own and not overlap and not backend_option and not reduce_overhead \
+and (not torchvision or googlenet or inception_v3)" >"$OUT/csan_$(basename "$f" .py).log" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0 p
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  grep -h -E '^(=+ )?[0-9]+ (passed|failed)|^FAILED' "$OUT"/csan_*.log
+  return $rc
+}
+export -f csan_files
+export OUT
+export PYTEST_CMD="${PYTEST[*]}"
+step "cuda tests under TORCH_CUDA_SANITIZER=1" 200 csan.log bash -c \
+  'PYTEST=($PYTEST_CMD); csan_files'
 step "zoo on cuda" 120 zoo.log "${PYTEST[@]}" -m cuda --timeout 300 tests/zoo_torchvision
 step "demo" 60 demo.log "$PY" examples/demo.py --steps 400 --rounds 2
 step "multi_stream benchmark" 80 multi_stream.log "$PY" benchmarks/multi_stream.py \
   --only-models --no-inductor --iters 20 --rounds 2 --json "$OUT/multi_stream.json"
+step "device staging benchmark" 90 device_staging.log "$PY" benchmarks/device_staging.py \
+  --items 20 --rounds 2 --json "$OUT/device_staging.json"
 
 echo "== summary (${BUDGET}s budget, $((SECONDS - START))s used) =="
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$OUT/summary.txt"

@@ -388,3 +388,60 @@ def test_backward_after_a_multi_stream_forward_is_correct_on_gpu():
             for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
                 torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert len(backend.plans[0].streams_used) == 4
+
+
+# Dynamo compiles nothing while a TorchDispatchMode is active, and PyTorch's
+# CSAN is one: under TORCH_CUDA_SANITIZER=1 the tests above run eager and the
+# backend never sees a graph. So this compiles first, then turns CSAN on and
+# calls what the backend returned, forward and backward, on the arguments
+# Dynamo gave it (the real parameters, buffers and inputs).
+_CSAN_COMPILED = """
+import sys
+import torch
+import torch.cuda._sanitizer as csan
+sys.path.insert(0, {tests!r})
+from torch_csan import ignore_empty_tensors
+from zoo import ZOO, build
+import torch_stage
+
+entry = {{e.name: e for e in ZOO}}[{name!r}]
+model = build(entry, "cuda").train()
+backend = torch_stage.backend(num_streams=4)
+made = []
+
+def recording(gm, example_inputs):
+    compiled = backend(gm, example_inputs)
+    made.append((compiled, list(example_inputs)))
+    return compiled
+
+torch.compile(model, backend=recording, fullgraph=True)(*entry.inputs(8, "cuda"))
+torch.cuda.synchronize()
+assert len(made) == 1, len(made)
+compiled, arguments = made[0]
+ignore_empty_tensors()
+csan.enable_cuda_sanitizer()
+for _ in range(3):
+    outputs = [t for t in compiled(*arguments) if isinstance(t, torch.Tensor)]
+    sum(t.float().pow(2).mean() for t in outputs if t.requires_grad).backward()
+torch.cuda.synchronize()
+print(len(backend.plans[0].streams_used))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["two_tower", "inception", "rec_8_towers"])
+def test_compiled_plans_train_clean_under_torchs_own_cuda_sanitizer(name):
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    # Not inherited: torch enables CSAN at import when the variable is set.
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
+    env["PYTHONPATH"] = os.path.dirname(tests) + os.pathsep + env.get("PYTHONPATH", "")
+    code = _CSAN_COMPILED.format(tests=tests, name=name)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) >= 2

@@ -551,6 +551,33 @@ def test_cuda_staging_fuses_tensors_and_reuses_pinned_buffers():
     assert s["pinned_buffers"] <= 10
 
 
+@pytest.mark.cuda
+def test_cuda_staging_sends_large_pinned_tensors_without_a_gather():
+    # What a pin_memory=True loader hands over: pinned already. The large
+    # pinned tensor is copied as it is; the small one and the pageable one
+    # are gathered into one fused transfer.
+    def item(i):
+        return {
+            "pinned": torch.full((1 << 20,), float(i)).pin_memory(),
+            "small": torch.tensor([i]).pin_memory(),
+            "pageable": torch.full((1 << 20,), -float(i)),
+        }
+
+    stage = staged((item(i) for i in range(20)), device="cuda", capacity=2)
+    for i, batch in enumerate(stage):
+        expected = item(i)
+        for key, t in batch.items():
+            assert t.device.type == "cuda"
+            torch.testing.assert_close(t.cpu(), expected[key], rtol=0, atol=0)
+        fused = batch["small"].untyped_storage().data_ptr()
+        assert batch["pageable"].untyped_storage().data_ptr() == fused
+        assert batch["pinned"].untyped_storage().data_ptr() != fused
+    s = stage.stats()
+    assert s["pinned_direct_copies"] == 20
+    assert s["fused_tensors"] == 40
+    assert s["staged_bytes"] >= 20 * 2 * 4 * (1 << 20)
+
+
 def gpu_ms(fn):
     begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()

@@ -150,7 +150,11 @@ class Stage:
         ``copy_s`` (device staging on the host), ``gil_wait_s`` (producers
         waiting for the GIL); ``mean_occupancy`` and ``max_occupancy`` of the
         buffer as consumers found it, ``capacity``; ``bound``: "input",
-        "compute" or "balanced" by those waits.
+        "compute" or "balanced" by those waits. With ``device``:
+        ``staged_items``, ``staged_bytes``, ``fused_tensors`` (gathered into
+        one transfer per item), ``pinned_direct_copies`` (large pinned
+        tensors sent as they are), ``pinned_buffers`` and
+        ``pinned_buffer_reuses``.
         """
         s = self._impl.stats()
         wait, blocked = s["consumer_wait_s"], s["producer_blocked_s"]

@@ -10,10 +10,41 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <thread>
 #include <utility>
+
+// Weak, as in stage.cpp: a torch built without OpenMP skips the bound.
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+extern "C" int omp_get_max_threads() __attribute__((weak));
 
 namespace torch_stage {
 namespace {
+
+// Raises this thread's OpenMP team size for one scope, then restores it.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int threads) {
+    if (omp_set_num_threads == nullptr || omp_get_max_threads == nullptr) {
+      return;
+    }
+    before_ = omp_get_max_threads();
+    if (threads > before_) {
+      omp_set_num_threads(threads);
+    } else {
+      before_ = 0;
+    }
+  }
+  ~IntraOpThreads() {
+    if (before_ > 0) {
+      omp_set_num_threads(before_);
+    }
+  }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int before_ = 0;
+};
 
 int64_t align_up(int64_t value, int64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -21,6 +52,16 @@ int64_t align_up(int64_t value, int64_t alignment) {
 
 bool fusable(const at::Tensor& t) {
   return t.device().is_cpu() && t.layout() == at::kStrided && !t.is_quantized();
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// is_pinned() asks the accelerator's host allocator: only for large tensors.
+bool copied_directly(const at::Tensor& t, const c10::Device& device) {
+  return !device.is_cpu() && nbytes(t) >= DeviceStager::kDirectCopyBytes &&
+      t.is_pinned();
 }
 
 c10::Device checked_device(c10::Device device) {
@@ -84,12 +125,13 @@ FusedLayout plan_fused_layout(
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.defined() || !fusable(t) ||
-        (t.device() == device && !fuse_same_device)) {
+        (t.device() == device && !fuse_same_device) ||
+        copied_directly(t, device)) {
       continue;
     }
     layout.total_bytes = align_up(layout.total_bytes, DeviceStager::kAlignment);
     layout.offsets[i] = layout.total_bytes;
-    layout.total_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+    layout.total_bytes += nbytes(t);
   }
   return layout;
 }
@@ -158,6 +200,12 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
   return buffer;
 }
 
+int DeviceStager::gather_threads() {
+  static const int threads = std::clamp(
+      static_cast<int>(std::thread::hardware_concurrency() / 4), 1, 8);
+  return threads;
+}
+
 void DeviceStager::release_host_buffer(HostBuffer buffer) {
   std::lock_guard<std::mutex> lock(mu_);
   free_.push_back(std::move(buffer));
@@ -196,6 +244,7 @@ void DeviceStager::stage(StageItem& item) {
       });
   if (any_fused) {
     HostBuffer host = acquire_host_buffer(layout.total_bytes);
+    const IntraOpThreads gather(accelerator ? gather_threads() : 1);
     at::Tensor device_buffer = at::empty(
         {layout.total_bytes},
         at::TensorOptions().dtype(at::kByte).device(device_));
@@ -205,7 +254,7 @@ void DeviceStager::stage(StageItem& item) {
         continue;
       }
       at::Tensor& t = item.tensors[i];
-      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      const int64_t bytes = nbytes(t);
       // The CPU side of the transfer, done in the producer thread without
       // the GIL: gather into the fused host buffer (any strides).
       host.memory.narrow(0, offset, bytes)
@@ -228,11 +277,18 @@ void DeviceStager::stage(StageItem& item) {
     release_host_buffer(std::move(host));
     item.device_storage = std::move(device_buffer);
   }
-  // What did not fuse: tensors on other devices or with other layouts.
+  // What did not fuse: large pinned tensors, tensors on other devices or
+  // with other layouts.
   bool copied_separately = false;
+  int64_t direct = 0;
+  int64_t direct_bytes = 0;
   for (size_t i = 0; i < item.tensors.size(); ++i) {
     auto& t = item.tensors[i];
     if (layout.offsets[i] < 0 && t.defined() && t.device() != device_) {
+      if (accelerator && t.device().is_cpu() && t.is_pinned()) {
+        ++direct;
+        direct_bytes += nbytes(t);
+      }
       t = t.to(device_, /*non_blocking=*/true);
       copied_separately = true;
     }
@@ -248,7 +304,8 @@ void DeviceStager::stage(StageItem& item) {
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.items;
   stats_.fused_tensors += fused;
-  stats_.bytes += layout.total_bytes;
+  stats_.direct_copies += direct;
+  stats_.bytes += layout.total_bytes + direct_bytes;
 }
 
 void DeviceStager::hand_over(StageItem& item) {

@@ -1073,6 +1073,7 @@ StageStats Stage::stats() const {
     s.staged_bytes = d.bytes;
     s.host_buffers = d.host_buffers_allocated;
     s.host_buffer_reuses = d.host_buffer_reuses;
+    s.direct_copies = d.direct_copies;
   }
   s.threads = state_->active.load();
   s.inline_items = state_->inline_items.load();

@@ -567,7 +567,11 @@ def staged(
         name: the stage's name, in errors, thread names and profiler ranges.
         feed_dict: keyword arguments for a callable source.
         device: copy items' tensors to this device (pinned, fused, reused host
-            buffers; one non-blocking copy per item). None: no copy.
+            buffers; one non-blocking copy per item). Pinned tensors of
+            256 KiB or more (a ``pin_memory=True`` loader's) are copied from
+            where they are, after the source has moved on: as with any
+            non-blocking copy, the source must not write into a tensor it
+            yielded. None: no copy.
         transform: per-item work, run by the producer threads in parallel.
             Every item must come out with the structure of the first.
         ordered: deliver in source order even with several threads (True) or

@@ -285,7 +285,7 @@ void DeviceStager::stage(StageItem& item) {
   for (size_t i = 0; i < item.tensors.size(); ++i) {
     auto& t = item.tensors[i];
     if (layout.offsets[i] < 0 && t.defined() && t.device() != device_) {
-      if (accelerator && t.device().is_cpu() && t.is_pinned()) {
+      if (fusable(t) && copied_directly(t, device_)) {
         ++direct;
         direct_bytes += nbytes(t);
       }

@@ -18,11 +18,11 @@
 // (see gather_threads()).
 // A pinned tensor of kDirectCopyBytes or more (pin_memory=True loaders,
 // pinned transforms) is not gathered: its own non-blocking copy saves a
-// host memcpy of its size on the producer's one intra-op thread, which on a
-// GPU machine cost ~12 ms for 64 MB against 1.6 ms over PCIe. torch's host
-// allocator keeps its memory until that copy is done, as for any
-// non-blocking .to(). Smaller ones are gathered: one fused copy beats a
-// launch per tensor.
+// host memcpy of its size (on one thread ~12 ms for 64 MB on a GPU machine,
+// against 1.6 ms over PCIe). torch's host allocator keeps its memory until
+// that copy is done, as for any non-blocking .to(); the source must not
+// write into it after yielding it. Smaller ones are gathered: one fused
+// copy beats a launch per tensor.
 // StreamObserver (torch_stage.sanitize_streams): with stream_id >= 1, each
 // item sends "stage_copy" (its tensors are allocated and written on staging
 // stream stream_id, an event is recorded) and hand_over sends

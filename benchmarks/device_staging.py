@@ -9,6 +9,9 @@ over). Each step takes one item on the device and runs GPU work of
 * ``plain_to``: ``x.to("cuda", non_blocking=True)`` in the loop;
 * ``dataloader_pin``: ``torch.utils.data.DataLoader(batch_size=None,
   pin_memory=True)``, then ``.to("cuda", non_blocking=True)``;
+* ``torchdata_pin``: torchdata.nodes ``PinMemory`` (pins in a thread of its
+  own) over the items, then ``.to("cuda", non_blocking=True)``; skipped
+  without torchdata;
 * ``staged``: ``torch_stage.staged(items, device="cuda")``;
 * ``ours_loader``: ``torch_stage.DataLoader`` with the plain DataLoader's
   arguments and ``device="cuda"``.
@@ -32,7 +35,13 @@ from _common import add_json_argument, emit, machine, progress
 
 import torch_stage
 
-METHODS = ("plain_to", "dataloader_pin", "staged", "ours_loader")
+try:
+    from torchdata.nodes import IterableWrapper, Loader, PinMemory
+except ImportError:  # the peer is optional
+    PinMemory = None
+
+METHODS = ("plain_to", "dataloader_pin", "torchdata_pin", "staged", "ours_loader")
+PEERS = ("plain_to", "dataloader_pin", "torchdata_pin")
 
 
 class Items(tud.Dataset):
@@ -51,6 +60,9 @@ def feeds(method: str, items):
         return (x.to("cuda", non_blocking=True) for x in items)
     if method == "dataloader_pin":
         loader = tud.DataLoader(Items(items), batch_size=None, pin_memory=True)
+        return (x.to("cuda", non_blocking=True) for x in loader)
+    if method == "torchdata_pin":
+        loader = Loader(PinMemory(IterableWrapper(items)))
         return (x.to("cuda", non_blocking=True) for x in loader)
     if method == "staged":
         return iter(torch_stage.staged(iter(items), device="cuda"))
@@ -93,30 +105,32 @@ def cell(mb: float, memory: str, compute_ms: float, n: int, rounds: int) -> dict
     if memory == "pinned":
         items = [x.pin_memory() for x in items]
     cycles = cycles_for(compute_ms)
-    per_item = {m: [] for m in METHODS}
+    methods = [m for m in METHODS if m != "torchdata_pin" or PinMemory is not None]
+    per_item = {m: [] for m in methods}
     for _ in range(rounds):
-        for m in METHODS:
+        for m in methods:
             per_item[m].append(run(m, items, cycles))
     ms = {m: statistics.median(v) * 1000 for m, v in per_item.items()}
-    best_peer = min(ms["plain_to"], ms["dataloader_pin"])
+    best_peer = min(ms[m] for m in PEERS if m in ms)
     return {
         "mb": mb,
         "memory": memory,
         "compute_ms": compute_ms,
         "ms_per_item": ms,
         "gb_per_s": {m: mb / 1024 / (v / 1000) for m, v in ms.items()},
-        # > 1: ours is faster than the faster of the two plain ways.
+        # > 1: ours is faster than the fastest of the peers.
         "staged_vs_best_peer": best_peer / ms["staged"],
         "ours_loader_vs_dataloader_pin": ms["dataloader_pin"] / ms["ours_loader"],
     }
 
 
 def table(rows) -> str:
-    head = f"{'MB':>5} {'memory':9} {'GPU ms':>6} " + " ".join(f"{m:>15}" for m in METHODS)
+    methods = list(rows[0]["ms_per_item"])
+    head = f"{'MB':>5} {'memory':9} {'GPU ms':>6} " + " ".join(f"{m:>15}" for m in methods)
     lines = ["ms per item (GB/s)", head]
     for r in rows:
         cells = " ".join(
-            f"{r['ms_per_item'][m]:7.2f} ({r['gb_per_s'][m]:5.1f})".rjust(15) for m in METHODS
+            f"{r['ms_per_item'][m]:7.2f} ({r['gb_per_s'][m]:5.1f})".rjust(15) for m in methods
         )
         lines.append(f"{r['mb']:5g} {r['memory']:9} {r['compute_ms']:6g} {cells}")
     lines.append("")

@@ -104,7 +104,7 @@ export OUT
 export PYTEST_CMD="${PYTEST[*]}"
 step "cuda tests under TORCH_CUDA_SANITIZER=1" 200 csan.log bash -c \
   'PYTEST=($PYTEST_CMD); csan_files'
-step "zoo on cuda" 120 zoo.log "${PYTEST[@]}" -m cuda --timeout 300 tests/zoo_torchvision
+step "zoo on cuda" 220 zoo.log "${PYTEST[@]}" -m cuda --timeout 300 tests/zoo_torchvision
 step "demo" 60 demo.log "$PY" examples/demo.py --steps 400 --rounds 2
 step "multi_stream benchmark" 80 multi_stream.log "$PY" benchmarks/multi_stream.py \
   --only-models --no-inductor --iters 20 --rounds 2 --json "$OUT/multi_stream.json"

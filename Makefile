@@ -20,8 +20,8 @@
 #   make zoo     multi-stream on torchvision's models under the stream
 #                sanitizer, in a venv of its own (torch 2.14.1 + torchvision)
 #   make gpu-check  on a CUDA machine: the `cuda` tests, again under
-#                TORCH_CUDA_SANITIZER=1, the zoo on real streams, the demo
-#                and the multi-stream benchmark, with GPU_PYTHON (default
+#                TORCH_CUDA_SANITIZER=1, the zoo on real streams, the demo,
+#                the multi-stream and device staging benchmarks, with GPU_PYTHON (default
 #                python3, a CUDA build of torch; no venv), logs in
 #                build/gpu-check/ (tests/gpu_check.sh)
 #

@@ -217,3 +217,32 @@ def test_a_bad_plan_spec_on_the_command_line_is_an_error_not_a_page(tmp_path, ca
     assert report.main(["-o", str(out), "--plan", "zoo:Missing"]) == 2
     assert "zoo has no attribute 'Missing'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_device_staging_benchmark_has_a_table_of_its_own():
+    # The JSON of a real run on an H200 (before torchdata was a column: a
+    # report must take the methods each run has).
+    from torch_stage import report
+
+    with open(os.path.join(ROOT, "tests", "data", "device_staging_h200.json")) as f:
+        data = json.load(f)
+    title, body = report.bench_section(data)
+    assert title == "Host-to-device staging (benchmarks/device_staging.py)"
+    assert "NVIDIA H200" in body
+    header = re.findall(r"<th>(.*?)</th>", body)
+    assert header == [
+        "MB",
+        "memory",
+        "GPU ms",
+        "plain_to",
+        "dataloader_pin",
+        "staged",
+        "ours_loader",
+        "staged / best peer",
+    ]
+    rows = re.findall(r"<tr>((?:<td>.*?</td>)+)</tr>", body)
+    assert len(rows) == len(data["cells"]) == 8
+    big = next(c for c in data["cells"] if c["mb"] == 64 and c["memory"] == "pinned")
+    cells = re.findall(r"<td>(.*?)</td>", rows[data["cells"].index(big)])
+    assert cells[3] == f"{big['ms_per_item']['plain_to']:,.3f}"
+    assert cells[-1] == f"{big['staged_vs_best_peer']:,.3f}"

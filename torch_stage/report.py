@@ -541,6 +541,28 @@ def bench_section(report: dict) -> Tuple[str, str]:
         return "TFRecord pipelines (benchmarks/record_pipeline.py)", _table(
             ["pipeline", "examples/s (median)", "note"], rows
         )
+    if kind == "device_staging":
+        methods: List[str] = []
+        for c in report["cells"]:
+            methods += [m for m in c["ms_per_item"] if m not in methods]
+        rows = [
+            [
+                c["mb"],
+                c["memory"],
+                c["compute_ms"],
+                *[c["ms_per_item"].get(m) for m in methods],
+                c["staged_vs_best_peer"],
+            ]
+            for c in report["cells"]
+        ]
+        device = report.get("machine", {}).get("device", "")
+        note = (
+            f"<p>ms per item into a CUDA loop{' on ' + html.escape(device) if device else ''} "
+            "(median over rounds); staged / best peer &gt; 1: torch_stage faster.</p>"
+        )
+        return "Host-to-device staging (benchmarks/device_staging.py)", note + _table(
+            ["MB", "memory", "GPU ms", *methods, "staged / best peer"], rows
+        )
     flat = [[k, json.dumps(v)[:200]] for k, v in report.items()]
     return f"{kind}", _table(["key", "value"], flat)
 

@@ -73,14 +73,18 @@ def run_python():
     """Run a Python snippet in a fresh interpreter, bounded against hangs.
 
     For behaviour that would wedge the test process itself when broken (a
-    thread holding the GIL forever, interpreter exit, signals).
+    thread holding the GIL forever, interpreter exit, signals), or that needs
+    a process of its own. ``env``: variables to set; None unsets one.
     """
 
     def run(code, timeout=HANG_BOUND_S, env=None, check=True):
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
-        if env:
-            full_env.update(env)
+        for name, value in (env or {}).items():
+            if value is None:
+                full_env.pop(name, None)
+            else:
+                full_env[name] = value
         proc = subprocess.run(
             [sys.executable, "-c", textwrap.dedent(code)],
             capture_output=True,

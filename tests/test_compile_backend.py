@@ -430,18 +430,11 @@ print(len(backend.plans[0].streams_used))
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["two_tower", "inception", "rec_8_towers"])
-def test_compiled_plans_train_clean_under_torchs_own_cuda_sanitizer(name):
+def test_compiled_plans_train_clean_under_torchs_own_cuda_sanitizer(name, run_python):
     import os
-    import subprocess
-    import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    # Not inherited: torch enables CSAN at import when the variable is set.
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
-    env["PYTHONPATH"] = os.path.dirname(tests) + os.pathsep + env.get("PYTHONPATH", "")
     code = _CSAN_COMPILED.format(tests=tests, name=name)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    # Not inherited: torch enables CSAN at import when the variable is set.
+    proc = run_python(code, timeout=300, env={"TORCH_CUDA_SANITIZER": None})
     assert int(proc.stdout.strip().splitlines()[-1]) >= 2

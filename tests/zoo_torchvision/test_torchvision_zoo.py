@@ -324,25 +324,21 @@ print(json.dumps({{"results": out}}))
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
-def test_on_cuda_torchs_own_sanitizer_reports_exactly_the_removed_waits_that_matter(name):
+def test_on_cuda_torchs_own_sanitizer_reports_exactly_the_removed_waits_that_matter(
+    name, run_python
+):
     # The plan as made runs clean under CSAN; then each of its waits is
     # removed in turn. CSAN, which knows nothing of torch_stage, must report
     # a race exactly where the oracle (tests/stream_oracle.py) says the
     # removal leaves a data dependency between two streams unordered: the
     # waits the planner emits are the ones the GPU needs.
     import json
-    import sys
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _CSAN_MUTANTS.format(tests=tests, name=name, size=MODELS[name])
     # Not inherited: torch enables CSAN at import when the variable is set
     # at all, before the script could make its change.
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
-    env["PYTHONPATH"] = os.path.dirname(tests) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_python(code, timeout=600, env={"TORCH_CUDA_SANITIZER": None})
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     results = report["results"]
     assert len(results) >= 8

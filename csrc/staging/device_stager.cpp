@@ -125,8 +125,12 @@ FusedLayout plan_fused_layout(
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     if (!t.defined() || !fusable(t) ||
-        (t.device() == device && !fuse_same_device) ||
-        copied_directly(t, device)) {
+        (t.device() == device && !fuse_same_device)) {
+      continue;
+    }
+    if (copied_directly(t, device)) {
+      ++layout.direct_copies;
+      layout.direct_bytes += nbytes(t);
       continue;
     }
     layout.total_bytes = align_up(layout.total_bytes, DeviceStager::kAlignment);
@@ -280,15 +284,9 @@ void DeviceStager::stage(StageItem& item) {
   // What did not fuse: large pinned tensors, tensors on other devices or
   // with other layouts.
   bool copied_separately = false;
-  int64_t direct = 0;
-  int64_t direct_bytes = 0;
   for (size_t i = 0; i < item.tensors.size(); ++i) {
     auto& t = item.tensors[i];
     if (layout.offsets[i] < 0 && t.defined() && t.device() != device_) {
-      if (fusable(t) && copied_directly(t, device_)) {
-        ++direct;
-        direct_bytes += nbytes(t);
-      }
       t = t.to(device_, /*non_blocking=*/true);
       copied_separately = true;
     }
@@ -304,8 +302,8 @@ void DeviceStager::stage(StageItem& item) {
   std::lock_guard<std::mutex> lock(mu_);
   ++stats_.items;
   stats_.fused_tensors += fused;
-  stats_.direct_copies += direct;
-  stats_.bytes += layout.total_bytes + direct_bytes;
+  stats_.direct_copies += layout.direct_copies;
+  stats_.bytes += layout.total_bytes + layout.direct_bytes;
 }
 
 void DeviceStager::hand_over(StageItem& item) {

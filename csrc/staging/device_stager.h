@@ -65,9 +65,12 @@ namespace torch_stage {
 
 struct FusedLayout {
   // For each tensor of the bundle: its byte offset in the fused buffer, or
-  // -1 when it is not fused (see kind).
+  // -1 when it is not fused.
   std::vector<int64_t> offsets;
   int64_t total_bytes = 0;
+  // Pinned tensors left out to be copied as they are, and their bytes.
+  int64_t direct_copies = 0;
+  int64_t direct_bytes = 0;
 };
 
 // Which tensors of `tensors` fuse into one transfer to `device`, and where:

@@ -81,5 +81,38 @@ TEST(Crc32c, DispatchedPathEqualsPortableAtEveryLengthAndAlignment) {
   }
 }
 
+TEST(Crc32c, LanesJoinToThePortableCrcAcrossBlocks) {
+  // On CPUs with PCLMUL, buffers of 96 bytes and more run as three lanes
+  // whose CRCs are joined, in blocks of up to 1536 bytes: every lane width
+  // (4..64 words), several whole blocks, and each tail length after them,
+  // must agree with the tables, also seeded and from unaligned starts.
+  std::vector<uint8_t> buf(5000);
+  uint32_t x = 987654321;
+  for (auto& b : buf) {
+    x = x * 1103515245u + 12345u;
+    b = static_cast<uint8_t>(x >> 24);
+  }
+  for (size_t start : {0, 1, 7}) {
+    for (size_t n = 90; n + start <= buf.size(); n += (n < 1700 ? 1 : 97)) {
+      for (uint32_t seed : {0u, 0x12345678u}) {
+        ASSERT_EQ(
+            crc32c_extend(seed, buf.data() + start, n),
+            crc32c_extend_portable(seed, buf.data() + start, n))
+            << "start " << start << " length " << n << " seed " << seed;
+      }
+    }
+  }
+  // All ones and all zeros: degenerate lane states (0 and ~0) join right.
+  for (uint8_t fill : {uint8_t{0}, uint8_t{0xff}}) {
+    const std::vector<uint8_t> same(1600, fill);
+    for (size_t n : {96, 97, 335, 1535, 1536, 1600}) {
+      EXPECT_EQ(
+          crc32c_extend(0, same.data(), n),
+          crc32c_extend_portable(0, same.data(), n))
+          << "fill " << int(fill) << " length " << n;
+    }
+  }
+}
+
 } // namespace
 } // namespace torch_stage::records

@@ -388,6 +388,37 @@ def test_missing_key_names_key_and_record():
     assert (info.value.key, info.value.record_index) == ("s", 2)
 
 
+def empty_feature_example(key):
+    """Example{features{feature{key: Feature{}}}}: a Feature with no list
+    set, what TensorFlow writes for ``tf.train.Feature()``."""
+    k = key.encode()
+    entry = b"\x0a" + bytes([len(k)]) + k + b"\x12\x00"
+    features = b"\x0a" + bytes([len(entry)]) + entry
+    return b"\x0a" + bytes([len(features)]) + features
+
+
+def test_an_empty_feature_counts_as_missing_for_fixed_length_as_in_tensorflow():
+    # tf.io.parse_example skips an entry whose Feature holds no list: a
+    # fixed-length feature takes its default there (or is missing without
+    # one), a var-length one is empty. Bytes checked against TensorFlow
+    # 2.21: FixedLenFeature((), tf.int64, default_value=7) gives [7], and
+    # without a default "Feature: i (data type: int64) is required but
+    # could not be found".
+    rec = empty_feature_example("i")
+    spec = {"i": FixedLenFeature((), torch.int64, default_value=7)}
+    assert parse_example([rec, encode_example({"i": 3})], spec)["i"].tolist() == [7, 3]
+    out = parse_example(
+        [empty_feature_example("f")], {"f": FixedLenFeature((2,), torch.float32, default_value=0.5)}
+    )
+    assert out["f"].tolist() == [[0.5, 0.5]]
+    for shape in ((), (0,)):
+        with pytest.raises(FeatureError, match="record 0 has no feature 'i'") as info:
+            parse_example([rec], {"i": FixedLenFeature(shape, torch.int64)})
+        assert (info.value.key, info.value.record_index) == ("i", 0)
+    var = parse_example([rec], {"i": VarLenFeature(torch.int64)})["i"]
+    assert var.offsets.tolist() == [0, 0] and var.values.numel() == 0
+
+
 def test_wrong_type_and_wrong_size():
     bad_type = encode_example({"d": b"abcd", "s": 1.0, "v": [1.0], "t": [b""]})
     with pytest.raises(FeatureError, match="'s' of record 1 is a FloatList, expected an Int64List"):

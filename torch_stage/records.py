@@ -254,8 +254,10 @@ class FixedLenFeature:
             reads one 194-byte string as a ``(N, 194)`` uint8 tensor.
         dtype: ``torch.int64`` (Int64List), ``torch.float32`` (FloatList) or
             ``torch.uint8`` (BytesList).
-        default_value: used for records that lack the key; without it a
-            missing key is a :class:`~torch_stage.FeatureError`. A number
+        default_value: used for records that lack the key, or whose
+            Feature holds no list (``tf.train.Feature()``, which TensorFlow
+            also reads as missing); without it a missing key is a
+            :class:`~torch_stage.FeatureError`. A number
             (repeated over the shape), ``prod(shape)`` numbers, or for bytes
             ``prod(shape)`` bytes.
     """

@@ -1505,7 +1505,13 @@ void BatchParser::finish_feature(
     cells_[cell] =
         VarCell{view.data, view.size, nullptr, view.kind, view.found, false};
   }
-  if (!view.found) {
+  // A Feature with no list set (tf.train.Feature()) is, to a fixed-length
+  // spec, a missing key: TensorFlow's parse skips such an entry, so its
+  // default applies (or the key is required). To a var-length spec it is
+  // an empty list either way.
+  const bool absent =
+      !view.found || (!spec.var_len && view.kind == FeatureKind::kNone);
+  if (absent) {
     if (!spec.has_default) {
       throw RecordError(
           RecordErrorKind::kMissingFeature,

@@ -39,8 +39,8 @@
 namespace torch_stage::records {
 
 // The list type a Feature holds. kNone: the Feature has no list set (an
-// empty Feature{}), which matches every spec type as an empty list, as in
-// TensorFlow.
+// empty Feature{}), which, as in TensorFlow, a var-length spec of any type
+// reads as an empty list and a fixed-length spec as a missing key.
 enum class FeatureKind : uint8_t {
   kNone = 0,
   kBytes = 1,

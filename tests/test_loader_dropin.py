@@ -387,6 +387,55 @@ def test_a_transform_warning_comes_with_its_batch(cls_staging):
     assert [len(w) for w in got] == [0, 0, 1, 1, 0]
 
 
+class OwnFilters(tud.Dataset):
+    """Decides with warning filters of its own, as libraries do: a warning
+    it ignores, one it makes an error and catches (its fallback changes the
+    item), and one it records itself."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.warn(f"item {i}: noise", UserWarning, stacklevel=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                warnings.warn(f"item {i}: lossy", UserWarning, stacklevel=1)
+                fallback = 0
+            except UserWarning:
+                fallback = 1
+        with warnings.catch_warnings(record=True) as own:
+            warnings.simplefilter("always")
+            warnings.warn(f"item {i}: its own", UserWarning, stacklevel=1)
+        return torch.tensor([i, fallback, len(own)])
+
+
+# One staging thread at most: catch_warnings() swaps process-wide state, so
+# two threads inside it at once undo each other's filters (in any Python
+# code before 3.14's context-aware warnings), which no loader can help.
+SINGLE_THREADED = [p for p in LOADERS if p.id in ("plain", "staged-auto", "staged-1thread")]
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", SINGLE_THREADED)
+def test_a_datasets_own_warning_filters_decide_its_warnings(cls_staging):
+    cls, staging = cls_staging
+
+    def run(made):
+        # One recording context around the whole loop: a staging thread's
+        # catch_warnings() nests inside it, not across the loop's own.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [b.tolist() for b in made]
+        return batches, [str(w.message) for w in caught]
+
+    expected = run(PLAIN(OwnFilters(), batch_size=3))
+    assert run(loader(cls, OwnFilters(), staging, batch_size=3)) == expected
+    assert expected == ([[[i, 1, 1] for i in range(k, k + 3)] for k in range(0, 12, 3)], [])
+
+
 @timeout
 def test_warnings_on_other_threads_are_untouched(cls):
     # A loader reading ahead must not catch the training loop's warnings.

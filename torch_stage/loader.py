@@ -95,16 +95,32 @@ class _Skipping:
 # every other thread it is the plain warnings.warn. Warnings raised from C
 # (PyErr_WarnEx) or through warnings.warn_explicit are not recorded and
 # still appear on the staging thread.
+#
+# A batch's code that enters catch_warnings() of its own decides its
+# warnings there, as in the plain DataLoader, where it runs inside next():
+# a warning it ignores is dropped, one it makes an error raises in it (and
+# may be caught), one it records is its own. catch_warnings is wrapped to
+# count, per thread, the contexts entered: a warning made inside more of
+# them than the batch started in goes to the plain warnings.warn at once.
+# (Its filters are process-wide, so two staging threads in catch_warnings()
+# at once can undo each other's, as in any threaded code before Python
+# 3.14's context-aware warnings.)
 
 _recording = threading.local()
 _install_lock = threading.Lock()
 _plain_warn: Optional[Callable] = None
+_plain_enter: Optional[Callable] = None
+_plain_exit: Optional[Callable] = None
 
 
 def _install_warning_recorder() -> None:
-    global _plain_warn
+    global _plain_warn, _plain_enter, _plain_exit
     with _install_lock:
         if _plain_warn is None:
+            _plain_enter = warnings.catch_warnings.__enter__
+            _plain_exit = warnings.catch_warnings.__exit__
+            warnings.catch_warnings.__enter__ = _enter_catch_warnings
+            warnings.catch_warnings.__exit__ = _exit_catch_warnings
             _plain_warn = warnings.warn
             # TorchScript compiles a call to warnings.warn (F.embedding_bag
             # has one) as aten::warn by the function's identity: the wrapper
@@ -113,10 +129,36 @@ def _install_warning_recorder() -> None:
             warnings.warn = _warn
 
 
+def _enter_catch_warnings(self):
+    got = _plain_enter(self)
+    _recording.contexts = getattr(_recording, "contexts", 0) + 1
+    return got
+
+
+def _exit_catch_warnings(self, *exc_info):
+    got = _plain_exit(self, *exc_info)
+    _recording.contexts = getattr(_recording, "contexts", 1) - 1
+    return got
+
+
+def _start_recording(records: Optional[list]):
+    """Records this thread's warnings into ``records`` (None: stops);
+    returns what to pass back to end it."""
+    previous = getattr(_recording, "records", None), getattr(_recording, "base", 0)
+    _recording.records = records
+    _recording.base = getattr(_recording, "contexts", 0)
+    return previous
+
+
+def _end_recording(previous) -> None:
+    _recording.records, _recording.base = previous
+
+
 def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
     records = getattr(_recording, "records", None)
-    if records is None:
-        # One more level: this wrapper's own frame.
+    if records is None or getattr(_recording, "contexts", 0) > _recording.base:
+        # Not producing a batch, or inside a catch_warnings() the batch's
+        # own code entered. One more level: this wrapper's own frame.
         return _plain_warn(message, category, stacklevel + 1, source, **kwargs)
     if isinstance(message, Warning):
         category = type(message)
@@ -187,12 +229,11 @@ class _Epoch:
 
     def pull(self, records: list):
         """The plain iterator's next batch, recording its warnings."""
-        previous = getattr(_recording, "records", None)
-        _recording.records = records
+        previous = _start_recording(records)
         try:
             return next(self.base)
         finally:
-            _recording.records = previous
+            _end_recording(previous)
             self.pulled += 1
 
 
@@ -263,8 +304,7 @@ class _Run:
         def staged_transform(batch):
             index = pulled_by[threading.get_ident()]
             records: list = []
-            previous = getattr(_recording, "records", None)
-            _recording.records = records
+            previous = _start_recording(records)
             try:
                 out = transform(batch)
             except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
@@ -275,7 +315,7 @@ class _Run:
                 handled.append(index)
                 raise _pytree.Handled from None
             finally:
-                _recording.records = previous
+                _end_recording(previous)
             if records:
                 epoch.warnings.setdefault(index, []).extend(records)
             return out

@@ -681,3 +681,148 @@ def test_bad_arguments_raise_as_the_plain_loader_does(cls, dataset, kwargs):
     with pytest.raises(plain_error.type):
         loader(cls, dataset, **kwargs)
     assert census() == before
+
+
+# --- 7. What a subclass, a pickle or an odd sampler or exception sees ---------
+
+
+class PlainCollating(PLAIN):
+    """A loader subclass as users write them: its collate is a bound method,
+    so worker processes under spawn get the loader itself, pickled."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, collate_fn=self.collate, **kwargs)
+
+    def collate(self, items):
+        return torch.stack(items) * 10
+
+
+class StagedCollating(torch_stage.DataLoader):
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, collate_fn=self.collate, **kwargs)
+
+    collate = PlainCollating.collate
+
+
+@timeout
+def test_a_loader_pickles_after_an_epoch(cls):
+    import pickle
+
+    made = loader(cls, [torch.tensor(i) for i in range(4)], batch_size=2)
+    assert [b.tolist() for b in made] == [[0, 1], [2, 3]]
+    again = pickle.loads(pickle.dumps(made))
+    assert [b.tolist() for b in again] == [[0, 1], [2, 3]]
+
+
+@timeout
+@pytest.mark.workers
+def test_a_subclass_collating_in_a_method_runs_epochs_under_spawn(cls):
+    # The spawned workers get the loader (through collate_fn's self) with
+    # the dataset, so each epoch pickles it, after the last one ran.
+    Loader = PlainCollating if cls is PLAIN else StagedCollating
+    made = Loader(
+        [torch.tensor(i) for i in range(4)],
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context="spawn",
+    )
+    for _ in range(2):
+        assert [b.tolist() for b in made] == [[0, 10], [20, 30]]
+
+
+@timeout
+def test_a_subclass_keeps_its_own_transform_and_device(cls):
+    # Names torch_stage.DataLoader takes as staging options are a
+    # subclass's own when it sets or defines them itself.
+    class WithAttributes(cls):
+        def __init__(self, dataset, transform, **kwargs):
+            super().__init__(dataset, collate_fn=self.collate, **kwargs)
+            self.transform = transform
+            self.device = "meta"  # what the subclass moves batches to itself
+
+        def collate(self, items):
+            return torch.tensor([self.transform(x) for x in items])
+
+    class WithMethod(cls):
+        def transform(self, x):
+            return x + 1000
+
+        def collate(self, items):
+            return torch.tensor([self.transform(x) for x in items])
+
+    made = WithAttributes([0, 1, 2, 3], lambda x: x + 100, batch_size=2)
+    assert [b.tolist() for b in made] == [[100, 101], [102, 103]]
+    assert made.transform(1) == 101 and made.device == "meta"
+    made = WithMethod([0, 1, 2, 3], batch_size=2)
+    made.collate_fn = made.collate
+    assert [b.tolist() for b in made] == [[1000, 1001], [1002, 1003]]
+
+
+class UnknownLength(tud.Sampler):
+    def __init__(self, error):
+        self.error = error
+
+    def __iter__(self):
+        return iter([3, 1, 2, 0])
+
+    def __len__(self):
+        raise self.error("length unknown")
+
+
+@timeout
+@pytest.mark.parametrize("error", [RuntimeError, ValueError, TypeError])
+def test_a_sampler_whose_len_raises_is_never_asked(make, error):
+    # The plain DataLoader never calls len() of the sampler while iterating.
+    made = make(range(4), batch_size=2, sampler=UnknownLength(error))
+    assert [b.tolist() for b in made] == [[3, 1], [2, 0]]
+
+
+class Abort(BaseException):
+    """Not an Exception: what a dataset may raise to stop a step."""
+
+
+class AbortsAt4(tud.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i == 4:
+            raise Abort("item 4")
+        return i
+
+
+@timeout
+def test_a_base_exception_from_the_dataset_raises_for_its_batch(make):
+    def run(made):
+        it, seen = iter(made), []
+        for _ in range(5):
+            try:
+                seen.append(next(it).tolist())
+            except StopIteration:
+                seen.append("end")
+            except BaseException as exc:  # noqa: BLE001 (compared, not handled)
+                seen.append(f"{type(exc).__name__}: {exc}")
+        return seen
+
+    expected = run(PLAIN(AbortsAt4(), batch_size=2))
+    assert expected == [[0, 1], [2, 3], "Abort: item 4", [6, 7], "end"]
+    assert run(make(AbortsAt4(), batch_size=2)) == expected
+
+
+@timeout
+def test_the_iterators_length_is_the_plain_iterators(cls):
+    class Sized(tud.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 4
+
+    def length(made):
+        try:
+            return len(iter(made))
+        except TypeError as exc:
+            return type(exc), str(exc)
+
+    for dataset, kwargs in ((Sized(), dict(batch_size=2)), (list(range(10)), dict(batch_size=3))):
+        assert length(loader(cls, dataset, **kwargs)) == length(PLAIN(dataset, **kwargs))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch.utils.data
 
-from torch_stage.loader import STAGING_OPTIONS, DataLoader
+from torch_stage.loader import DataLoader
 
 __all__ = ["accelerate_prepare", "accelerate_skip_first_batches"]
 
@@ -68,7 +68,7 @@ def _staging_of(loader) -> Optional[dict]:
     inner = getattr(loader, "__dict__", {}).get("base_dataloader", loader)
     if not isinstance(inner, DataLoader):
         return None
-    return {k: getattr(inner, k) for k in STAGING_OPTIONS}
+    return inner.staging_options()
 
 
 def _restage_wrapper(wrapped, staging: dict):

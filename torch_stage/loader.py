@@ -9,6 +9,7 @@ batches already on the device.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import sys
@@ -277,7 +278,8 @@ class _Run:
                 batch = epoch.pull(records)
             except StopIteration:
                 return
-            except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
+            except BaseException as exc:  # noqa: BLE001 (re-raised to the consumer,
+                # as the plain DataLoader raises any exception of a batch)
                 epoch.failed[index] = (exc, records, True)
                 return
             if records:
@@ -307,7 +309,7 @@ class _Run:
             previous = _start_recording(records)
             try:
                 out = transform(batch)
-            except Exception as exc:  # noqa: BLE001 (re-raised to the consumer)
+            except BaseException as exc:  # noqa: BLE001 (re-raised to the consumer)
                 # Without this frame: it refers to the epoch, which would then
                 # hold itself through the exception until the consumer takes it.
                 exc.__traceback__ = exc.__traceback__.tb_next
@@ -335,6 +337,16 @@ STAGING_OPTIONS = (
     "timeout_millis",
     "name",
 )
+_STAGING_DEFAULTS = {
+    "device": None,
+    "capacity": None,
+    "num_threads": None,
+    "autotune": True,
+    "stage_subgraph_stream_id": 1,
+    "transform": None,
+    "timeout_millis": 300_000,
+    "name": None,
+}
 # Accelerate's functions that rebuild a loader as a plain DataLoader from its
 # attributes (accelerate/data_loader.py, 0.3x to 1.x); both read
 # prefetch_factor while doing so.
@@ -402,7 +414,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     warnings of a batch are raised in the ``next()`` that returns it. The
     staging arguments are keyword-only and kept as attributes of the same
     names (so a loader rebuilt from its signature and attributes, as
-    PyTorch Lightning does, stages the same way):
+    PyTorch Lightning does, stages the same way), except where a subclass
+    has an attribute or method of that name of its own: a subclass of the
+    plain class that sets ``self.transform`` or ``self.device`` keeps it,
+    and staging then uses what was passed to this constructor:
 
     Args:
         device: deliver batches on this device (None: where collate_fn put
@@ -530,20 +545,88 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         )
         if not _PLAIN_HAS_IN_ORDER:
             self.in_order = in_order
-        self.device = None if device is None else torch.device(device)
-        self.capacity = capacity
-        self.num_threads = num_threads
-        self.autotune = autotune
-        self.stage_subgraph_stream_id = stage_subgraph_stream_id
-        self.transform = transform
-        self.timeout_millis = timeout_millis
-        self.name = name
+        staging = {
+            "device": None if device is None else torch.device(device),
+            "capacity": capacity,
+            "num_threads": num_threads,
+            "autotune": autotune,
+            "stage_subgraph_stream_id": stage_subgraph_stream_id,
+            "transform": transform,
+            "timeout_millis": timeout_millis,
+            "name": name,
+        }
+        # A name a subclass defines on its class, or set before calling
+        # this, is its own (and one it sets afterwards: _claim_options).
+        ours = [c for c in type(self).__mro__ if c is DataLoader]
+        before = type(self).__mro__[: type(self).__mro__.index(ours[0])] if ours else ()
+        mine = {
+            name
+            for name in staging
+            if name in self.__dict__ or any(name in c.__dict__ for c in before)
+        }
+        self.__dict__["_staging"] = staging
+        self.__dict__["_subclass_options"] = mine
+        for key, value in staging.items():
+            if key not in mine:
+                setattr(self, key, value)
         self._current: Optional[weakref.ref] = None  # the newest iterator
         self._last_stats: dict = {}
         self._tuning_memory: Optional[dict] = None  # the last epoch's auto-tuning
         self._prepared: Optional[_SkippingSampler] = None
         self._epoch: Optional[dict] = None  # the epoch in progress
         self._resume: Optional[dict] = None  # set by load_state_dict
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_claims_options", False):
+            return
+
+        # Once the outermost __init__ of a subclass returns, the staging
+        # options whose attributes it set to values of its own are its own.
+        # (A wrapper, not a metaclass: a metaclass's __call__ would become
+        # the class's signature, which tools read.)
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            depth = self.__dict__.get("_init_depth", 0)
+            self.__dict__["_init_depth"] = depth + 1
+            try:
+                init(self, *args, **kwargs)
+            finally:
+                self.__dict__["_init_depth"] = depth
+            if depth == 0:
+                self._claim_options()
+
+        __init__._claims_options = True
+        cls.__init__ = __init__
+
+    def _claim_options(self) -> None:
+        given = self.__dict__.get("_staging")
+        if given is None:  # a subclass that never called this __init__
+            return
+        mine = self.__dict__["_subclass_options"]
+        for key, value in given.items():
+            if key not in mine and self.__dict__.get(key, value) is not value:
+                mine.add(key)
+
+    def _staging_option(self, key: str):
+        """A staging option: the attribute of its name, which a user (or a
+        loader rebuilt from the attributes) may have set, unless a subclass
+        took the name for its own (then what this constructor was given)."""
+        if key in self.__dict__.get("_subclass_options", ()):
+            return self.__dict__["_staging"][key]
+        return getattr(self, key, _STAGING_DEFAULTS[key])
+
+    def staging_options(self) -> dict:
+        """The staging options this loader stages with, by name."""
+        return {key: self._staging_option(key) for key in STAGING_OPTIONS}
+
+    def __getstate__(self):
+        # The weak reference to the newest iterator (which owns threads)
+        # does not travel: a copy has no iterator yet.
+        state = dict(self.__dict__)
+        state["_current"] = None
+        return state
 
     # A data descriptor over the instance's own __dict__ entry, so that
     # vars(loader) still has prefetch_factor (PyTorch Lightning rebuilds a
@@ -563,7 +646,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             warnings.warn(
                 f"accelerate is rebuilding torch_stage.DataLoader {self.name or 'dataloader'!r} "
                 "as a plain torch.utils.data.DataLoader, so its staging ("
-                + ", ".join(f"{key}={getattr(self, key)!r}" for key in STAGING_OPTIONS)
+                + ", ".join(f"{key}={value!r}" for key, value in self.staging_options().items())
                 + ") is dropped. Use torch_stage.integrations.accelerate_prepare(accelerator, "
                 "...) instead of accelerator.prepare(...), and "
                 "torch_stage.integrations.accelerate_skip_first_batches(accelerator, loader, n) "
@@ -580,11 +663,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def _make_stage(self, source, transform) -> Stage:
         # Read from the attributes each time, so that what a user (or a
         # loader rebuilt from them) set is what stages.
-        autotune = getattr(self, "autotune", True)
+        option = self._staging_option
+        autotune = option("autotune")
+        capacity = option("capacity")
         return staged(
             source,
-            capacity=2 if self.capacity is None and not autotune else self.capacity,
-            num_threads=self.num_threads,
+            capacity=2 if capacity is None and not autotune else capacity,
+            num_threads=option("num_threads"),
             autotune=autotune,
             # The plain DataLoader produces in the training loop's thread:
             # auto-tuning may come back to that (no staging thread) when a
@@ -592,12 +677,12 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # code that holds the GIL the training step needs.
             _min_threads=0,
             _tuning_memory=self._next_tuning_memory() if autotune else None,
-            stage_subgraph_stream_id=self.stage_subgraph_stream_id,
+            stage_subgraph_stream_id=option("stage_subgraph_stream_id"),
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),
-            timeout_millis=self.timeout_millis,
-            device=self.device,
-            name=self.name or "dataloader",
+            timeout_millis=option("timeout_millis"),
+            device=option("device"),
+            name=option("name") or "dataloader",
         )
 
     def _next_tuning_memory(self) -> Optional[dict]:
@@ -657,7 +742,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             return None
         try:
             return max(len(super()._index_sampler) - skip, 0)
-        except (TypeError, NotImplementedError):  # a sampler without len()
+        except Exception:  # noqa: BLE001 (a sampler without a len(): the plain
+            # DataLoader never asks it while iterating, so neither may this)
             return None
 
     def __iter__(self) -> Iterator[_T_co]:
@@ -743,6 +829,7 @@ class _LoaderIter:
 
     def __init__(self, loader: DataLoader, epoch: _Epoch, state: dict, workers: Optional[list]):
         self._loader = loader
+        self._index_sampler = loader._index_sampler
         self._epoch = epoch
         self._state = state  # the loader's state_dict() bookkeeping
         self._worker_processes = workers
@@ -786,13 +873,13 @@ class _LoaderIter:
                     _reemit(records)
                     self._finish()
                     raise
-                except Exception:
+                except BaseException:
                     self._count()
                     _reemit(records)
                     raise
                 if records:
                     epoch.warnings[index] = records
-                transform = self._loader.transform
+                transform = self._loader._staging_option("transform")
                 self._run = _Run(epoch)
                 self._stage = self._loader._make_stage(
                     self._run.source(index, batch),
@@ -889,7 +976,9 @@ class _LoaderIter:
             self.close()
 
     def __len__(self) -> int:
-        return len(self._loader)
+        # The plain iterator's: its index sampler's (an iterable dataset's
+        # has none, even where the dataset and the loader have a len()).
+        return len(self._index_sampler)
 
     @property
     def _workers(self) -> list:

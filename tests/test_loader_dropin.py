@@ -826,3 +826,37 @@ def test_the_iterators_length_is_the_plain_iterators(cls):
 
     for dataset, kwargs in ((Sized(), dict(batch_size=2)), (list(range(10)), dict(batch_size=3))):
         assert length(loader(cls, dataset, **kwargs)) == length(PLAIN(dataset, **kwargs))
+
+
+@timeout
+@pytest.mark.parametrize(
+    "make_loader", ["tud.DataLoader(", "torch_stage.DataLoader(num_threads=1, dataset="]
+)
+def test_exit_after_every_batch_but_no_stop_iteration_is_clean(run_python, make_loader):
+    # A loop that takes exactly len(loader) batches (Lightning's way) never
+    # asks past the end, so a staging thread waits at the end for that ask;
+    # at interpreter exit it must stop waiting at once, not be left behind.
+    proc = run_python(
+        f"""
+        import time, warnings
+        import torch.utils.data as tud
+        import torch_stage
+        warnings.simplefilter("always")
+
+        class Slow(tud.Dataset):
+            def __len__(self):
+                return 60
+
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return i
+
+        made = {make_loader}Slow(), batch_size=2)
+        it = iter(made)
+        for _ in range(len(made)):
+            next(it)
+        print("taken", flush=True)
+        """
+    )
+    assert proc.stdout == "taken\n"
+    assert proc.stderr == ""

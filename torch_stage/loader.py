@@ -9,6 +9,7 @@ batches already on the device.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import itertools
@@ -238,6 +239,21 @@ class _Epoch:
             self.pulled += 1
 
 
+# Runs whose source may be waiting for demand (see _Run.source).
+_live_runs: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_runs() -> None:
+    # Before torch_stage.stage's own exit handler (atexit runs handlers in
+    # the reverse order of registration, and this module imports that one)
+    # closes the stages: a source waiting at the sampler's end for a next()
+    # that will never come would hold each producer until its join timeout
+    # and then be left behind, with a warning, at every such exit.
+    for run in list(_live_runs):
+        run.stop()
+
+
 class _Run:
     """One stage's source: the epoch from a batch the consumer pulled on.
 
@@ -252,6 +268,7 @@ class _Run:
         self.epoch = epoch
         self.demand = threading.Semaphore(0)
         self.stopped = False
+        _live_runs.add(self)
         self.handled: list = []  # indices whose transform raised
         # Producer thread (threading.get_ident(): the stage's C++ threads get
         # a new Python thread state, so threading.local() data, each time

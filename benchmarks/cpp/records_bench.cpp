@@ -3,11 +3,13 @@
 // the rest of the pipeline in the way. The files are the ones
 // benchmarks/records_vs_tf_data.py writes (run it once first):
 //
-//   records_bench [--phase read|input|parse]... [--layout packed|columns]
+//   records_bench [--phase crc|read|input|parse]... [--layout packed|columns]
 //                 [--batch N] [--seconds S] [--held BATCHES] [--reps N]
 //                 [--keep-outputs BATCHES] [--buffer-size RECORDS]
 //                 [--verbose] [--json PATH] [DIR]
 //
+//   crc     CRC32C over 64 B..64 KiB buffers in the cache, the dispatched
+//           path against the portable tables (not in the default phases)
 //   read    RecordReader::next over every file on one thread (reads,
 //           framing, CRCs; no copy), thread CPU per record
 //   input   RecordInput with its defaults but the batch size, drained by
@@ -35,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "records/crc32c.h"
 #include "records/example.h"
 #include "records/record_input.h"
 #include "records/record_io.h"
@@ -270,6 +273,47 @@ int main(int argc, char** argv) {
       files.size(),
       dir.c_str(),
       static_cast<long long>(batch));
+
+  if (want("crc")) {
+    // CRC32C alone over buffers in the cache: the dispatched path (three
+    // lanes with SSE4.2 and PCLMUL) against the portable tables.
+    for (const size_t n : {64, 330, 720, 4096, 65536}) {
+      std::vector<uint8_t> buf(n);
+      for (size_t k = 0; k < n; ++k) {
+        buf[k] = static_cast<uint8_t>(k * 131 + 7);
+      }
+      const size_t passes = (size_t{1} << 27) / n;
+      auto time = [&](uint32_t (*fn)(uint32_t, const void*, size_t)) {
+        std::vector<double> ns;
+        uint32_t c = 0;
+        for (int run = 0; run < 5; ++run) {
+          const double t0 = thread_cpu_s();
+          for (size_t r = 0; r < passes; ++r) {
+            c = fn(c, buf.data(), n); // each waits for the last: latency
+          }
+          ns.push_back((thread_cpu_s() - t0) * 1e9 / passes);
+        }
+        if (c == 1) { // keeps the loop; never true in practice
+          std::printf(" ");
+        }
+        return median(ns);
+      };
+      const double fast = time(crc32c_extend);
+      const double tables = time(crc32c_extend_portable);
+      std::printf(
+          "crc     %6zu bytes: %7.1f ns (%5.1f GB/s); tables %7.1f ns "
+          "(%4.1f GB/s)\n",
+          n,
+          fast,
+          n / fast,
+          tables,
+          n / tables);
+      json.emplace_back(
+          "\"crc_ns_" + std::to_string(n) + "_bytes\"", number(fast));
+      json.emplace_back(
+          "\"crc_tables_ns_" + std::to_string(n) + "_bytes\"", number(tables));
+    }
+  }
 
   if (want("read")) {
     std::vector<double> ns;

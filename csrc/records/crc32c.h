@@ -3,12 +3,12 @@
 //
 // On x86-64 with SSE4.2 (checked at run time) the crc32 instruction, in
 // three interleaved chains where PCLMUL joins them: ~20 GB/s a core on long
-// buffers against ~7.5 for one chain, 28 ns against 58 for a 330-byte
-// record (reading packed Criteo-like rows, records_bench --phase read:
-// 137 -> ~100 ns per record). At a few million records a second every
-// record's CRC is checked without the check being what limits reading.
-// Elsewhere software slicing-by-8, about 1-2 GB/s. Pure C++17 (plus
-// intrinsics on x86-64).
+// buffers against ~7.5 for one chain, 25-28 ns against 58 for a 330-byte
+// record (records_bench --phase crc; reading packed Criteo-like rows,
+// records_bench --phase read: 137 -> ~100 ns per record). At a few million
+// records a second every record's CRC is checked without the check being what
+// limits reading. Elsewhere software slicing-by-8, about 1-2 GB/s. Pure C++17
+// (plus intrinsics on x86-64).
 //
 // Thread-safe: the tables are constant, the functions have no state.
 #pragma once

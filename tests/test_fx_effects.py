@@ -27,6 +27,11 @@ def _graph(*placeholders):
         (lambda g, a, b: g.call_function(operator.imul, (a, 2.0)), [0]),
         (lambda g, a, b: g.call_function(operator.itruediv, (a, 2.0)), [0]),
         (lambda g, a, b: g.call_function(operator.setitem, (a, 0, 1.0)), [0]),
+        # Indices of two or more dimensions, which a one-element stand-in
+        # cannot take: the probe fails, and setitem still writes a.
+        (lambda g, a, b: g.call_function(operator.setitem, (a, (slice(None), 0), 1.0)), [0]),
+        (lambda g, a, b: g.call_function(operator.setitem, (a, (0, 0), b)), [0]),
+        (lambda g, a, b: g.call_method("__setitem__", (a, (slice(2, None), 1), b)), [0]),
         (lambda g, a, b: g.call_function(torch._foreach_mul_, ([a, b], 2.0)), [0, 1]),
         (lambda g, a, b: g.call_function(torch._foreach_add_, ([a], [b])), [0]),
         (lambda g, a, b: g.call_function(torch.ops.aten.add_, (a, b)), [0]),
@@ -104,7 +109,27 @@ def _copy(x):
     return y, h
 
 
-GRAPHS = [_iadd, _foreach, _setitem, _out, _relu_inplace_branches, _copy]
+def _mask_2d(x):
+    # A mask built by writing into a fresh constant, read by two branches
+    # (a constant the planner would otherwise copy onto each stream).
+    h = x.view(8, 8) * 1.0
+    w = torch.ones_like(h)
+    w[:, 4:] = 0.0
+    w[0, 0] = 5.0
+    w[2:, 1::2] = 7.0
+    w[:, 1:3] += 1.0
+    return (h * w).sum(0), h.exp() * w
+
+
+def _setitem_2d_input_branch(x):
+    h = x.view(8, 8) * 1.0
+    y = h.sum(0)
+    h[:, :4] = x.view(8, 8)[:, 4:] * 2.0
+    return y, h.cos()
+
+
+GRAPHS = [_iadd, _foreach, _setitem, _out, _relu_inplace_branches, _copy, _mask_2d,
+          _setitem_2d_input_branch]  # fmt: skip
 
 
 class _Wrap(torch.nn.Module):

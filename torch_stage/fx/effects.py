@@ -32,6 +32,7 @@ issuing random ops in their original order (tests/test_streams.py: the
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -55,6 +56,8 @@ def written_args(n: torch.fx.Node) -> List[Any]:
         found = _probe(n) if _probe_safe(n) else None
         if found is None:
             found = _by_schemas(_schemas(n), n.args, n.kwargs)
+        if found == [] and _mutates_first_operand(n) and isinstance(n.args[0], torch.fx.Node):
+            found = [n.args[0]]
     for value in _running_stats(n):
         if not any(value is f for f in found):
             found.append(value)
@@ -108,6 +111,35 @@ def _bind(n: torch.fx.Node) -> Optional[Dict[str, Any]]:
         values.update(n.kwargs)
         return values
     return None
+
+
+# Python's own in-place operators (a[b] = c, del a[b], a += b, ...): the
+# language defines each to mutate its first operand, so on a tensor they
+# write it, whatever ATen ops do the work. The probe answers them where it
+# can run them; where it cannot, and no schema speaks for a Python
+# function, this does: a setitem whose index has more dimensions than a
+# one-element stand-in (w[:, 4:] = 0) failed the probe and was taken to
+# write nothing, so a mask built that way was copied onto each stream
+# before the write.
+_IN_PLACE_OPERATORS = frozenset(
+    [operator.setitem, operator.delitem]
+    + [
+        getattr(operator, "i" + name)
+        for name in (
+            "add", "and", "concat", "floordiv", "lshift", "mod", "mul", "matmul", "or",
+            "pow", "rshift", "sub", "truediv", "xor",
+        )
+    ]
+)  # fmt: skip
+_IN_PLACE_METHODS = frozenset(f"__{op.__name__}__" for op in _IN_PLACE_OPERATORS)
+
+
+def _mutates_first_operand(n: torch.fx.Node) -> bool:
+    if not n.args:
+        return False
+    if n.op == "call_method":
+        return n.target in _IN_PLACE_METHODS
+    return n.target in _IN_PLACE_OPERATORS
 
 
 def _probe_safe(n: torch.fx.Node) -> bool:

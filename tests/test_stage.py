@@ -116,6 +116,32 @@ def test_stop_iteration_from_a_callable_ends_the_stream():
     assert drain(staged(lambda: next(it))) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("where", ["transform", "callable source"])
+def test_a_stop_iteration_that_ends_nothing_raises_instead_of_ending_the_loop(where):
+    # closed_exception_types=() says StopIteration ends nothing here: it is
+    # an error at its item, and re-raised as itself it would end the
+    # consumer's for loop silently, data cut short. Raised as StageError
+    # from it (as Python does for a generator's StopIteration, PEP 479).
+    def transform(x):
+        if x == 2:
+            raise StopIteration("not an end marker here")
+        return x
+
+    if where == "transform":
+        stage = staged(list(range(5)), transform=transform, closed_exception_types=())
+    else:
+        items = iter(range(5))
+        stage = staged(lambda: transform(next(items)), closed_exception_types=())
+    got = []
+    with pytest.raises(StageError, match="raised StopIteration") as info:
+        for x in stage:
+            got.append(x)
+    assert got == [0, 1]
+    assert isinstance(info.value.__cause__, StopIteration)
+    assert str(info.value.__cause__) == "not an end marker here"
+    stage.close()
+
+
 def test_items_before_a_closed_exception_are_delivered_with_many_threads():
     def source():
         yield from range(50)

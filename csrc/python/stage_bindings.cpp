@@ -372,6 +372,32 @@ class PyStage {
     }
     if (out.error) {
       auto* detail = static_cast<PyError*>(out.error->detail.get());
+      if (detail != nullptr && detail->value &&
+          (PyErr_GivenExceptionMatches(
+               detail->value.ptr(), PyExc_StopIteration) != 0 ||
+           PyErr_GivenExceptionMatches(
+               detail->value.ptr(), PyExc_StopAsyncIteration) != 0)) {
+        // Not one of closed_exception_types, so it ends nothing: re-raised
+        // as itself it would end the consumer's for loop without a word,
+        // the data cut short. A StageError from it instead, as Python turns
+        // a StopIteration inside a generator into RuntimeError (PEP 479).
+        py::object error =
+            py::module_::import("torch_stage.errors")
+                .attr("StageError")(c10::str(
+                    "stage '",
+                    stage_->name(),
+                    "': item ",
+                    out.index,
+                    " raised ",
+                    Py_TYPE(detail->value.ptr())->tp_name,
+                    ", which is not one of closed_exception_types here, so "
+                    "it ends nothing and is an error at its item (see "
+                    "__cause__)"));
+        PyException_SetCause(error.ptr(), detail->value.inc_ref().ptr());
+        PyErr_SetObject(
+            reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+        throw py::error_already_set();
+      }
       if (detail != nullptr && detail->value) {
         PyErr_SetObject(
             reinterpret_cast<PyObject*>(Py_TYPE(detail->value.ptr())),

@@ -444,6 +444,39 @@ def test_stage_thread_pool_names_threads_and_bounds_work():
     assert intra == {1}
 
 
+@pytest.mark.parametrize("slots, prep_threads", [(1, 1), (2, 2), (2, 3)])
+def test_a_stage_reading_another_of_its_pool_holds_no_slot_while_it_waits(slots, prep_threads):
+    # prep's producers read from read, a stage of the same pool: a producer
+    # waiting there for read's next item must not hold a slot read's own
+    # producer needs to make it (with one slot, or two both held by prep,
+    # nothing was ever delivered: a deadlock until timeout_millis).
+    pool = torch_stage.add_stage_thread_pool(slots, 1, f"chain{slots}{prep_threads}")
+    opts = dict(
+        use_stage_subgraph_thread_pool=True,
+        stage_subgraph_thread_pool_id=pool,
+        timeout_millis=int(HANG_BOUND_S * 1000),
+    )
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def work(x):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.002)
+        with lock:
+            active[0] -= 1
+        return x * 10
+
+    for _ in range(3):
+        read = staged(list(range(20)), num_threads=1, name="read", **opts)
+        prep = staged(read, transform=work, num_threads=prep_threads, name="prep", **opts)
+        assert drain(prep) == [x * 10 for x in range(20)]
+        prep.close()
+        read.close()
+    # The pool still bounds the work: at most `slots` transforms at once.
+    assert 1 <= peak[0] <= slots
+
+
 def test_default_stage_threads_use_one_intra_op_thread_without_touching_others():
     main_threads = torch.get_num_threads()
     seen = drain(staged(range(3), transform=lambda x: torch.get_num_threads()))

@@ -747,8 +747,10 @@ def add_stage_thread_pool(
     ``intra_op_threads`` intra-op threads each (so staging does not take the
     training step's cores), and at most ``inter_op_threads`` of them, across
     every stage of the pool, do stage work at once. A producer holds its slot
-    only while it reads and processes an item, not while it waits for buffer
-    space, so stages sharing a pool cannot starve one another.
+    only while it reads and processes an item, not while it waits for its
+    turn to read, for another stage's item (a stage whose source is a stage
+    of the same pool) or for buffer space, so stages sharing a pool, chained
+    ones too, cannot starve one another.
 
     Ids count from 0 in the order pools are added.
     """

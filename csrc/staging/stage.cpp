@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -170,6 +172,54 @@ void StagePools::Slot::release() {
   pools_cv().notify_all();
   pool_ = -1;
 }
+
+namespace {
+
+// The pool slot the calling producer thread holds for the item it is
+// making, so that a wait for another stage's item inside that work (a
+// source or transform reading a stage) gives it back meanwhile: that
+// stage's producers may need the slot to make the item (stages of one pool
+// chained, with fewer slots than waiting readers, deadlocked).
+struct HeldSlot {
+  StagePools::Slot* slot;
+  int64_t pool;
+  const std::function<bool()>* stop; // when to stop waiting to get it back
+};
+thread_local HeldSlot* held_slot = nullptr;
+
+// Registers `slot` as the calling thread's for its lifetime.
+class HoldingSlot {
+ public:
+  HoldingSlot(
+      StagePools::Slot* slot,
+      int64_t pool,
+      const std::function<bool()>* stop)
+      : held_{slot, pool, stop}, previous_(held_slot) {
+    held_slot = &held_;
+  }
+  ~HoldingSlot() {
+    held_slot = previous_;
+  }
+  HoldingSlot(const HoldingSlot&) = delete;
+  HoldingSlot& operator=(const HoldingSlot&) = delete;
+
+ private:
+  HeldSlot held_;
+  HeldSlot* previous_;
+};
+
+// Gives the calling thread's slot (if it holds one) back: it is about to
+// wait for another stage's item. The producer takes one again when its
+// read or transform returns (step()), never here: a consumer's first,
+// quick attempt runs with the GIL held, and waiting for a slot there would
+// keep the GIL from the producer that has it.
+void give_back_slot() {
+  if (held_slot != nullptr && *held_slot->slot) {
+    held_slot->slot->release();
+  }
+}
+
+} // namespace
 
 // ---------------------------------------------------------------------------
 // Stage state
@@ -546,17 +596,22 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // produced an item).
   bool step(ProducerStatus& status, bool consumer) {
     StagePools::Slot slot;
-    if (!consumer) {
-      status.set(Phase::kWaitingForPool);
-      slot = StagePools::acquire(options.pool_id, [this] {
-        return stop.load() || source_done_flag.load();
-      });
-      if (!slot) {
-        return false;
-      }
-    }
+    const std::function<bool()> stopping = [this] {
+      return stop.load() || source_done_flag.load();
+    };
+    std::optional<HoldingSlot> holding;
     StageItem item;
     Outcome outcome = Outcome::kItem;
+    // The read or the transform may have given the slot back while it
+    // waited for another stage's item (give_back_slot): work goes on with
+    // one again (or without, when the stage is stopping: the item is then
+    // dropped on delivery).
+    auto hold_slot_again = [&] {
+      if (!consumer && !slot) {
+        status.set(Phase::kWaitingForPool, item.index);
+        slot = StagePools::acquire(options.pool_id, stopping);
+      }
+    };
     {
       std::lock_guard<std::mutex> lock(source_mu);
       if (source_done || stop.load()) {
@@ -564,6 +619,18 @@ struct Stage::State : std::enable_shared_from_this<State> {
       }
       if (consumer && (in_flight.load() != 0 || buffer.size() != 0)) {
         return false;
+      }
+      // The slot is taken once this producer's turn to read has come: one
+      // waiting for the source lock holds none, since the reader ahead of
+      // it may be waiting for another stage of the pool (whose producers
+      // need a slot) to give it an item.
+      if (!consumer) {
+        status.set(Phase::kWaitingForPool);
+        slot = StagePools::acquire(options.pool_id, stopping);
+        if (!slot) {
+          return false;
+        }
+        holding.emplace(&slot, options.pool_id, &stopping);
       }
       item.index = next_index++;
       ++in_flight;
@@ -577,6 +644,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       }
     }
     if (outcome == Outcome::kItem) {
+      hold_slot_again();
       status.set(Phase::kProcessing, item.index);
       outcome = timed(
           process_ns, trace::Kind::kProcess, range_process, item.index, [&] {
@@ -585,6 +653,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
           });
     }
     if (outcome == Outcome::kItem && stager) {
+      hold_slot_again();
       status.set(Phase::kCopying, item.index);
       outcome = timed(copy_ns, trace::Kind::kCopy, range_copy, item.index, [&] {
         return guarded(item, "copy to device", [&] {
@@ -966,6 +1035,8 @@ TakeStatus Stage::take_for(
   State& st = *state_;
   st.start();
   const auto deadline = deadline_after(timeout);
+  // A producer of another stage reading this one waits without its slot.
+  give_back_slot();
   {
     std::unique_lock<std::mutex> lock(st.clients_mu);
     if (!st.clients_cv.wait_until(lock, deadline, [&] {

@@ -6,6 +6,7 @@ import os
 import random
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -140,6 +141,35 @@ def test_a_stop_iteration_that_ends_nothing_raises_instead_of_ending_the_loop(wh
     assert isinstance(info.value.__cause__, StopIteration)
     assert str(info.value.__cause__) == "not an end marker here"
     stage.close()
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_close_from_the_stages_own_transform_does_not_wait_for_itself(num_threads):
+    # "Stop after item 3", from inside the work: close() cannot join the
+    # thread it runs on, so it waits for the other producers only (it
+    # waited its whole join timeout, 10 s, and warned of a stuck thread).
+    holder, took = {}, []
+
+    def transform(x):
+        if x == 3:
+            start = time.monotonic()
+            holder["stage"].close()
+            took.append(time.monotonic() - start)
+        return x
+
+    before = thread_count()
+    stage = staged(list(range(100)), transform=transform, num_threads=num_threads, capacity=2)
+    holder["stage"] = stage
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "still inside user code" warning fails
+        with pytest.raises(torch_stage.StageClosed):
+            for _ in stage:
+                pass
+        deadline = time.monotonic() + HANG_BOUND_S
+        while not took and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert took and took[0] < 5.0  # generous: the join timeout is 10 s
+    assert thread_count_once_gone(before) == before
 
 
 def test_items_before_a_closed_exception_are_delivered_with_many_threads():

@@ -882,13 +882,24 @@ struct Stage::State : std::enable_shared_from_this<State> {
     wake_parked();
     StagePools::wake_all();
     buffer.cancel();
+    // close() from one of this stage's own producers (its source or
+    // transform): that thread cannot be joined from itself, and it leaves
+    // when the call returns (stop is set), so only the others are waited for.
+    const auto me = std::this_thread::get_id();
+    const auto self =
+        std::find_if(to_join.begin(), to_join.end(), [&](const std::thread& t) {
+          return t.get_id() == me;
+        });
+    const int64_t own = self == to_join.end() ? 0 : 1;
     {
       std::unique_lock<std::mutex> lock(exit_mu);
-      exit_cv.wait_for(lock, join_timeout, [&] { return live == 0; });
+      exit_cv.wait_for(lock, join_timeout, [&] { return live <= own; });
     }
     std::vector<int64_t> stuck;
     for (size_t i = 0; i < to_join.size(); ++i) {
-      if (statuses[i].exited.load()) {
+      if (to_join[i].get_id() == me) {
+        to_join[i].detach();
+      } else if (statuses[i].exited.load()) {
         to_join[i].join();
       } else {
         stuck.push_back(static_cast<int64_t>(i));

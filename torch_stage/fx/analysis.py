@@ -53,7 +53,7 @@ from torch_stage.fx.classify import (
     is_embedding,
 )
 from torch_stage.fx.cost_model import default_cost, is_view
-from torch_stage.fx.effects import written_args
+from torch_stage.fx.effects import aliased_args, written_args
 
 __all__ = ["GraphAnalysis"]
 
@@ -247,6 +247,8 @@ class GraphAnalysis:
         )
         if (is_view(n) or identity) and n.args and isinstance(n.args[0], torch.fx.Node):
             found.append(n.args[0])
+        # Ops that may return an input itself, from the op (effects.py).
+        found.extend(a for a in aliased_args(n, self.gm) if a not in found)
         # In-place ops return (an alias of) what they write.
         found.extend(self.mutated.get(n, []))
         return found

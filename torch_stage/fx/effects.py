@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -42,7 +42,7 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["understated_writes", "written_args"]
+__all__ = ["aliased_args", "understated_writes", "written_args"]
 
 
 def written_args(n: torch.fx.Node) -> List[Any]:
@@ -61,6 +61,50 @@ def written_args(n: torch.fx.Node) -> List[Any]:
     for value in _running_stats(n):
         if not any(value is f for f in found):
             found.append(value)
+    return found
+
+
+def aliased_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> List[torch.fx.Node]:
+    """The argument nodes whose memory ``n``'s result may share, from the op
+    itself: an ATen overload's schema (a return annotated with an argument's
+    alias set, ``Tensor(a)``); anything else of torch's, run on meta
+    stand-ins (``contiguous``, ``.float()`` and ``.to`` of a tensor already
+    so return it; so do eval-mode dropout, ``.data`` and ``nn.Flatten``);
+    failing that, the alias sets of the op's schemas. A name list of views
+    misses every op that may return its input. ``root`` owns the graph
+    (for ``call_module`` nodes: modules from ``torch.nn`` are probed with
+    meta parameters)."""
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return _aliased_by_schemas([n.target._schema], n.args, n.kwargs)
+    if n.op == "call_module":
+        module = root.get_submodule(n.target) if root is not None else None
+        if module is None or not type(module).__module__.startswith("torch.nn."):
+            return []
+        probed = _probe_both(n, module)
+        return [] if probed is None else probed[1]
+    if n.op not in ("call_function", "call_method"):
+        return []
+    probed = _probe_both(n) if _probe_safe(n) else None
+    if probed is not None:
+        return probed[1]
+    return _aliased_by_schemas(_schemas(n), n.args, n.kwargs)
+
+
+def _aliased_by_schemas(schemas: Sequence[Any], args: tuple, kwargs: dict) -> List[Any]:
+    found: List[Any] = []
+    for schema in schemas:
+        sets = set()
+        for ret in schema.returns:
+            if ret.alias_info is not None:
+                sets |= set(ret.alias_info.before_set)
+        if not sets:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not (set(arg.alias_info.before_set) & sets):
+                continue
+            value = args[i] if not arg.kwarg_only and i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node) and value not in found:
+                found.append(value)
     return found
 
 
@@ -145,7 +189,8 @@ def _mutates_first_operand(n: torch.fx.Node) -> bool:
 def _probe_safe(n: torch.fx.Node) -> bool:
     # Only torch's own callables run on the probe: a user's leaf function
     # may have side effects that must not happen at planning time.
-    if n.op == "call_method":
+    if n.op == "call_method" or n.target is getattr:
+        # (getattr: an attribute of a stand-in, such as .data or .T.)
         return True
     module = getattr(n.target, "__module__", None) or ""
     return module in ("_operator", "operator") or module.split(".")[0] == "torch"
@@ -239,6 +284,16 @@ def _meta_for(node: torch.fx.Node) -> Optional[Any]:
 
 def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
     """Run ``n`` on meta tensors and map the written ones to its args."""
+    probed = _probe_both(n)
+    return None if probed is None else probed[0]
+
+
+def _probe_both(
+    n: torch.fx.Node, module: Optional[torch.nn.Module] = None
+) -> Optional[Tuple[List[Any], List[torch.fx.Node]]]:
+    """Run ``n`` (a call of ``module`` for a ``call_module`` node) on meta
+    tensors: the arguments it writes, and the argument nodes whose memory
+    its result shares. None when it cannot run there."""
     stand_ins: Dict[torch.fx.Node, torch.Tensor] = {}
     failed = False
 
@@ -269,9 +324,17 @@ def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
     try:
         with recorder:
             if n.op == "call_method":
-                getattr(args[0], n.target)(*args[1:], **kwargs)
+                result = getattr(args[0], n.target)(*args[1:], **kwargs)
+            elif n.op == "call_module":
+                # Its parameters and buffers as meta tensors too: nothing of
+                # the real module is touched.
+                state = {
+                    k: torch.empty_like(v, device="meta")
+                    for k, v in [*module.named_parameters(), *module.named_buffers()]
+                }
+                result = torch.func.functional_call(module, state, args, kwargs)
             else:
-                n.target(*args, **kwargs)
+                result = n.target(*args, **kwargs)
     except Exception:  # noqa: BLE001  any failure means: ask the schemas
         return None
     written_storages = set()
@@ -291,4 +354,12 @@ def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
     for value in tree_flatten((n.args, n.kwargs))[0]:
         if isinstance(value, torch.fx.Node) and is_written(value) and value not in found:
             found.append(value)
-    return found
+    out_storages = set()
+    for t in tree_flatten(result)[0]:
+        if isinstance(t, torch.Tensor):
+            try:
+                out_storages.add(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+    aliased = [node for node, t in stand_ins.items() if t.untyped_storage()._cdata in out_storages]
+    return found, aliased

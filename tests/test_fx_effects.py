@@ -342,3 +342,30 @@ def test_a_write_through_an_op_that_returns_its_input_is_ordered(alias):
         out = planned(x)
     assert [r.kind for r in sanitizer.races] == []
     torch.testing.assert_close(out, expected)
+
+
+class _TwoLookupsWithMaxNorm(torch.nn.Module):
+    """Two lookups into one table with max_norm: each renormalises the rows
+    it reads, in place (embedding_renorm_), so the lookups write the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8, max_norm=1.0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, u, v):
+        return self.a(self.emb(u)).sum(1) + self.b(self.emb(v)).sum(1)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "embedding", "min_sync"])
+@pytest.mark.own_sanitizer
+def test_lookups_that_renormalise_a_shared_table_are_ordered(strategy):
+    torch.manual_seed(0)
+    u, v = torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))
+    model = _TwoLookupsWithMaxNorm()
+    expected = copy.deepcopy(model)(u, v)
+    planned = torch_stage.multi_stream(model, num_streams=4, strategy=strategy)
+    with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
+        out = planned(u, v)
+    assert [r.kind for r in sanitizer.races] == []
+    torch.testing.assert_close(out, expected)

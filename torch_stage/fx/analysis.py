@@ -53,7 +53,7 @@ from torch_stage.fx.classify import (
     is_embedding,
 )
 from torch_stage.fx.cost_model import default_cost, is_view
-from torch_stage.fx.effects import aliased_args, written_args
+from torch_stage.fx.effects import aliased_args, writes_module_state, written_args
 
 __all__ = ["GraphAnalysis"]
 
@@ -224,11 +224,17 @@ class GraphAnalysis:
             if getattr(module, "_is_impure", False):
                 return True
             # Batch norm in training updates its running statistics.
-            return (
+            if (
                 isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
                 and module.training
                 and module.track_running_stats
-            )
+            ):
+                return True
+            # Any other torch.nn module that writes its own parameters or
+            # buffers, from the ops it runs (an embedding with max_norm
+            # renormalises the rows it reads: two lookups into one table
+            # both write it).
+            return writes_module_state(n, self.gm)
         if n.op == "call_function":
             effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
             return n.target in effectful

@@ -42,7 +42,7 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["aliased_args", "understated_writes", "written_args"]
+__all__ = ["aliased_args", "understated_writes", "writes_module_state", "written_args"]
 
 
 def written_args(n: torch.fx.Node) -> List[Any]:
@@ -88,6 +88,21 @@ def aliased_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
     if probed is not None:
         return probed[1]
     return _aliased_by_schemas(_schemas(n), n.args, n.kwargs)
+
+
+def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> bool:
+    """Whether the ``call_module`` node ``n`` writes its module's own
+    parameters or buffers, which are no node of the graph: batch norm's
+    running statistics in training, an embedding's rows renormalised in
+    place with ``max_norm``. From a run on meta stand-ins, for modules from
+    ``torch.nn`` (a user's module is not run at planning time)."""
+    if n.op != "call_module":
+        return False
+    module = root.get_submodule(n.target)
+    if not type(module).__module__.startswith("torch.nn."):
+        return False
+    probed = _probe_both(n, module)
+    return probed is not None and probed[2]
 
 
 def _aliased_by_schemas(schemas: Sequence[Any], args: tuple, kwargs: dict) -> List[Any]:
@@ -269,10 +284,10 @@ def reads_metadata_only(n: torch.fx.Node) -> bool:
     return _probe(n) == []
 
 
-def _meta_for(node: torch.fx.Node) -> Optional[Any]:
+def _meta_for(node: torch.fx.Node, dtype: Optional[torch.dtype] = None) -> Optional[Any]:
     meta = node.meta.get("tensor_meta")
     if meta is None:
-        return torch.empty(1, device="meta")
+        return torch.empty(1, dtype=dtype, device="meta")
     # TensorMetadata is a NamedTuple: tested before the tuple of several.
     if not isinstance(meta, TensorMetadata):
         return None  # several outputs: the probe would need their structure
@@ -290,10 +305,22 @@ def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
 
 def _probe_both(
     n: torch.fx.Node, module: Optional[torch.nn.Module] = None
-) -> Optional[Tuple[List[Any], List[torch.fx.Node]]]:
+) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
     """Run ``n`` (a call of ``module`` for a ``call_module`` node) on meta
-    tensors: the arguments it writes, and the argument nodes whose memory
-    its result shares. None when it cannot run there."""
+    tensors: the arguments it writes, the argument nodes whose memory its
+    result shares, and whether it writes the module's own parameters or
+    buffers. None when it cannot run there."""
+    probed = _probe_with(n, module, None)
+    if probed is None and n.op == "call_module":
+        # A module of indices (an embedding's lookup) takes integer ones.
+        probed = _probe_with(n, module, torch.long)
+    return probed
+
+
+def _probe_with(
+    n: torch.fx.Node, module: Optional[torch.nn.Module], dtype: Optional[torch.dtype]
+) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
+    """_probe_both with stand-ins of ``dtype`` where shapes are unknown."""
     stand_ins: Dict[torch.fx.Node, torch.Tensor] = {}
     failed = False
 
@@ -309,7 +336,7 @@ def _probe_both(
             ):
                 failed = True
                 return value
-            t = _meta_for(value)
+            t = _meta_for(value, dtype)
             if t is None:
                 failed = True
                 return value
@@ -321,6 +348,7 @@ def _probe_both(
     if failed or not stand_ins:
         return None
     recorder = _WriteRecorder()
+    module_state: Dict[str, torch.Tensor] = {}
     try:
         with recorder:
             if n.op == "call_method":
@@ -328,11 +356,11 @@ def _probe_both(
             elif n.op == "call_module":
                 # Its parameters and buffers as meta tensors too: nothing of
                 # the real module is touched.
-                state = {
+                module_state = {
                     k: torch.empty_like(v, device="meta")
                     for k, v in [*module.named_parameters(), *module.named_buffers()]
                 }
-                result = torch.func.functional_call(module, state, args, kwargs)
+                result = torch.func.functional_call(module, module_state, args, kwargs)
             else:
                 result = n.target(*args, **kwargs)
     except Exception:  # noqa: BLE001  any failure means: ask the schemas
@@ -362,4 +390,7 @@ def _probe_both(
             except (RuntimeError, NotImplementedError):
                 continue
     aliased = [node for node, t in stand_ins.items() if t.untyped_storage()._cdata in out_storages]
-    return found, aliased
+    state_written = any(
+        t.untyped_storage()._cdata in written_storages for t in module_state.values()
+    )
+    return found, aliased, state_written

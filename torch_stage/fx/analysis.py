@@ -53,7 +53,12 @@ from torch_stage.fx.classify import (
     is_embedding,
 )
 from torch_stage.fx.cost_model import default_cost, is_view
-from torch_stage.fx.effects import aliased_args, writes_module_state, written_args
+from torch_stage.fx.effects import (
+    aliased_args,
+    probe_cache,
+    writes_module_state,
+    written_args,
+)
 
 __all__ = ["GraphAnalysis"]
 
@@ -122,6 +127,12 @@ class GraphAnalysis:
         num_streams: int,
         graph: Optional[torch.fx.Graph] = None,
     ):
+        # Each node is run on meta stand-ins once, though its writes, its
+        # aliases and its module's state are asked about separately.
+        with probe_cache():
+            self._analyse(gm, example_inputs, cost_model, num_streams, graph)
+
+    def _analyse(self, gm, example_inputs, cost_model, num_streams, graph) -> None:
         self.gm = gm
         self.graph = graph if graph is not None else gm.graph
         self.num_streams = num_streams

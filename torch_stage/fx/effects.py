@@ -31,9 +31,11 @@ issuing random ops in their original order (tests/test_streams.py: the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -42,7 +44,13 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["aliased_args", "understated_writes", "writes_module_state", "written_args"]
+__all__ = [
+    "aliased_args",
+    "probe_cache",
+    "understated_writes",
+    "writes_module_state",
+    "written_args",
+]
 
 
 def written_args(n: torch.fx.Node) -> List[Any]:
@@ -310,11 +318,33 @@ def _probe_both(
     tensors: the arguments it writes, the argument nodes whose memory its
     result shares, and whether it writes the module's own parameters or
     buffers. None when it cannot run there."""
+    probes = getattr(_cache, "probes", None)
+    key = (n, module is not None)
+    if probes is not None and key in probes:
+        return probes[key]
     probed = _probe_with(n, module, None)
     if probed is None and n.op == "call_module":
         # A module of indices (an embedding's lookup) takes integer ones.
         probed = _probe_with(n, module, torch.long)
+    if probes is not None:
+        probes[key] = probed
     return probed
+
+
+_cache = threading.local()
+
+
+@contextlib.contextmanager
+def probe_cache() -> Iterator[None]:
+    """Within it, this thread probes each node once (an analysis asks
+    several questions of one node; the answers hold only while the graph
+    and its modules do not change, so the cache ends with the context)."""
+    previous = getattr(_cache, "probes", None)
+    _cache.probes = {} if previous is None else previous
+    try:
+        yield
+    finally:
+        _cache.probes = previous
 
 
 def _probe_with(

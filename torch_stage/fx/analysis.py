@@ -18,9 +18,14 @@
   in graph order (which is the issue order, kept by the rewrite).
 
 Dependencies are data edges (a device node reads another's result) and
-order edges: side-effecting nodes (in-place writes, impure modules) stay in
+order edges: side-effecting nodes (in-place writes, impure modules: those
+that write their own parameters or buffers, from the ops they run) stay in
 their relative order, and an in-place write is ordered after every earlier
-reader and before every later reader of the tensors it may alias. Random ops
+reader and before every later reader of the tensors it may alias. What may
+alias what comes from real storage when example inputs are given, else from
+the ops (fx/effects.py: views, and any op that may return its input itself,
+``contiguous`` or eval-mode dropout, by its schema or a run on meta
+stand-ins). Random ops
 need no edge: their values are fixed by their launch order on the host,
 which the rewrite keeps.
 

@@ -574,12 +574,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         }
         # A name a subclass defines on its class, or set before calling
         # this, is its own (and one it sets afterwards: _claim_options).
-        ours = [c for c in type(self).__mro__ if c is DataLoader]
-        before = type(self).__mro__[: type(self).__mro__.index(ours[0])] if ours else ()
+        mro = type(self).__mro__
+        before = mro[: mro.index(DataLoader)]
         mine = {
-            name
-            for name in staging
-            if name in self.__dict__ or any(name in c.__dict__ for c in before)
+            key for key in staging if key in self.__dict__ or any(key in c.__dict__ for c in before)
         }
         self.__dict__["_staging"] = staging
         self.__dict__["_subclass_options"] = mine
@@ -661,7 +659,8 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         quiet = self.__dict__.get("_accelerate_integration", False)
         if not quiet and _accelerate_rebuilding(frame):
             warnings.warn(
-                f"accelerate is rebuilding torch_stage.DataLoader {self.name or 'dataloader'!r} "
+                f"accelerate is rebuilding torch_stage.DataLoader "
+                f"{self._staging_option('name') or 'dataloader'!r} "
                 "as a plain torch.utils.data.DataLoader, so its staging ("
                 + ", ".join(f"{key}={value!r}" for key, value in self.staging_options().items())
                 + ") is dropped. Use torch_stage.integrations.accelerate_prepare(accelerator, "

@@ -180,22 +180,13 @@ namespace {
 // source or transform reading a stage) gives it back meanwhile: that
 // stage's producers may need the slot to make the item (stages of one pool
 // chained, with fewer slots than waiting readers, deadlocked).
-struct HeldSlot {
-  StagePools::Slot* slot;
-  int64_t pool;
-  const std::function<bool()>* stop; // when to stop waiting to get it back
-};
-thread_local HeldSlot* held_slot = nullptr;
+thread_local StagePools::Slot* held_slot = nullptr;
 
 // Registers `slot` as the calling thread's for its lifetime.
 class HoldingSlot {
  public:
-  HoldingSlot(
-      StagePools::Slot* slot,
-      int64_t pool,
-      const std::function<bool()>* stop)
-      : held_{slot, pool, stop}, previous_(held_slot) {
-    held_slot = &held_;
+  explicit HoldingSlot(StagePools::Slot* slot) : previous_(held_slot) {
+    held_slot = slot;
   }
   ~HoldingSlot() {
     held_slot = previous_;
@@ -204,8 +195,7 @@ class HoldingSlot {
   HoldingSlot& operator=(const HoldingSlot&) = delete;
 
  private:
-  HeldSlot held_;
-  HeldSlot* previous_;
+  StagePools::Slot* previous_;
 };
 
 // Gives the calling thread's slot (if it holds one) back: it is about to
@@ -214,8 +204,8 @@ class HoldingSlot {
 // quick attempt runs with the GIL held, and waiting for a slot there would
 // keep the GIL from the producer that has it.
 void give_back_slot() {
-  if (held_slot != nullptr && *held_slot->slot) {
-    held_slot->slot->release();
+  if (held_slot != nullptr && *held_slot) {
+    held_slot->release();
   }
 }
 
@@ -630,7 +620,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         if (!slot) {
           return false;
         }
-        holding.emplace(&slot, options.pool_id, &stopping);
+        holding.emplace(&slot);
       }
       item.index = next_index++;
       ++in_flight;

@@ -35,8 +35,17 @@
 // cancels the buffer (waking every waiter) and joins the threads; a producer
 // busy inside StageWork (user code that does not return) is waited for at
 // most join_timeout and then left to finish on its own, holding the shared
-// state alive. The destructor closes. StageWork is called only from producer
-// threads; pull() is called under the source lock, one position at a time.
+// state alive; close() from a producer itself (StageWork closing its own
+// stage) waits for the others only. The destructor closes. StageWork is
+// called only from producer threads; pull() is called under the source
+// lock, one position at a time.
+//
+// Stage thread pools: a producer holds a slot of its pool while it reads
+// (once its turn at the source lock has come) and processes an item, not
+// while it waits for its turn, for buffer space, or for another stage's
+// item (take() gives the calling producer's slot back; it takes one again
+// before processing), so stages of one pool, chained ones too, never wait
+// on each other's slots.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -59,24 +59,36 @@ TEST(Crc32c, MaskMatchesTensorFlowAndRoundTrips) {
   }
 }
 
-TEST(Crc32c, DispatchedPathEqualsPortableAtEveryLengthAndAlignment) {
-  // crc32c_extend may take the SSE4.2 instruction; it must agree with the
-  // tables bit for bit, from every start offset (unaligned words) and for
-  // every tail length.
-  std::vector<uint8_t> buf(300);
-  uint32_t x = 12345;
+std::vector<uint8_t> pseudo_random_bytes(size_t n, uint32_t x) {
+  std::vector<uint8_t> buf(n);
   for (auto& b : buf) {
     x = x * 1103515245u + 12345u;
     b = static_cast<uint8_t>(x >> 24);
   }
+  return buf;
+}
+
+void expect_both_paths_agree(
+    const std::vector<uint8_t>& buf,
+    size_t start,
+    size_t n,
+    std::initializer_list<uint32_t> seeds) {
+  for (uint32_t seed : seeds) {
+    ASSERT_EQ(
+        crc32c_extend(seed, buf.data() + start, n),
+        crc32c_extend_portable(seed, buf.data() + start, n))
+        << "start " << start << " length " << n << " seed " << seed;
+  }
+}
+
+TEST(Crc32c, DispatchedPathEqualsPortableAtEveryLengthAndAlignment) {
+  // crc32c_extend may take the SSE4.2 instruction; it must agree with the
+  // tables bit for bit, from every start offset (unaligned words) and for
+  // every tail length.
+  const std::vector<uint8_t> buf = pseudo_random_bytes(300, 12345);
   for (size_t start = 0; start < 16; ++start) {
     for (size_t n = 0; n + start <= buf.size(); n += (n < 40 ? 1 : 13)) {
-      for (uint32_t seed : {0u, 0xdeadbeefu}) {
-        ASSERT_EQ(
-            crc32c_extend(seed, buf.data() + start, n),
-            crc32c_extend_portable(seed, buf.data() + start, n))
-            << "start " << start << " length " << n << " seed " << seed;
-      }
+      expect_both_paths_agree(buf, start, n, {0u, 0xdeadbeefu});
     }
   }
 }
@@ -86,20 +98,10 @@ TEST(Crc32c, LanesJoinToThePortableCrcAcrossBlocks) {
   // whose CRCs are joined, in blocks of up to 1536 bytes: every lane width
   // (4..64 words), several whole blocks, and each tail length after them,
   // must agree with the tables, also seeded and from unaligned starts.
-  std::vector<uint8_t> buf(5000);
-  uint32_t x = 987654321;
-  for (auto& b : buf) {
-    x = x * 1103515245u + 12345u;
-    b = static_cast<uint8_t>(x >> 24);
-  }
+  const std::vector<uint8_t> buf = pseudo_random_bytes(5000, 987654321);
   for (size_t start : {0, 1, 7}) {
     for (size_t n = 90; n + start <= buf.size(); n += (n < 1700 ? 1 : 97)) {
-      for (uint32_t seed : {0u, 0x12345678u}) {
-        ASSERT_EQ(
-            crc32c_extend(seed, buf.data() + start, n),
-            crc32c_extend_portable(seed, buf.data() + start, n))
-            << "start " << start << " length " << n << " seed " << seed;
-      }
+      expect_both_paths_agree(buf, start, n, {0u, 0x12345678u});
     }
   }
   // All ones and all zeros: degenerate lane states (0 and ~0) join right.

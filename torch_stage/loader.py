@@ -354,16 +354,6 @@ STAGING_OPTIONS = (
     "timeout_millis",
     "name",
 )
-_STAGING_DEFAULTS = {
-    "device": None,
-    "capacity": None,
-    "num_threads": None,
-    "autotune": True,
-    "stage_subgraph_stream_id": 1,
-    "transform": None,
-    "timeout_millis": 300_000,
-    "name": None,
-}
 # Accelerate's functions that rebuild a loader as a plain DataLoader from its
 # attributes (accelerate/data_loader.py, 0.3x to 1.x); both read
 # prefetch_factor while doing so.
@@ -838,6 +828,13 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         it = self._current_iter()
         if it is not None:
             it.close()
+
+
+# What a staging option is when a loader has no attribute of its name (a
+# subclass that never called DataLoader.__init__): the constructor's default.
+_STAGING_DEFAULTS = {
+    key: inspect.signature(DataLoader.__init__).parameters[key].default for key in STAGING_OPTIONS
+}
 
 
 class _LoaderIter:

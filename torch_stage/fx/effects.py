@@ -347,6 +347,20 @@ def probe_cache() -> Iterator[None]:
         _cache.probes = previous
 
 
+def _storages(values) -> set:
+    """The storages of the tensors among ``values``. A tensor without one
+    (a subclass's wrapper) cannot be one of the stand-ins, which are plain
+    meta tensors, so it is left out."""
+    found = set()
+    for t in values:
+        if isinstance(t, torch.Tensor):
+            try:
+                found.add(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+    return found
+
+
 def _probe_with(
     n: torch.fx.Node, module: Optional[torch.nn.Module], dtype: Optional[torch.dtype]
 ) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
@@ -395,14 +409,7 @@ def _probe_with(
                 result = n.target(*args, **kwargs)
     except Exception:  # noqa: BLE001  any failure means: ask the schemas
         return None
-    written_storages = set()
-    for t in recorder.written:
-        try:
-            written_storages.add(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):
-            # A tensor without storage (a subclass's wrapper) cannot be one
-            # of the stand-ins, which are plain meta tensors.
-            continue
+    written_storages = _storages(recorder.written)
 
     def is_written(node: torch.fx.Node) -> bool:
         t = stand_ins.get(node)
@@ -412,13 +419,7 @@ def _probe_with(
     for value in tree_flatten((n.args, n.kwargs))[0]:
         if isinstance(value, torch.fx.Node) and is_written(value) and value not in found:
             found.append(value)
-    out_storages = set()
-    for t in tree_flatten(result)[0]:
-        if isinstance(t, torch.Tensor):
-            try:
-                out_storages.add(t.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                continue
+    out_storages = _storages(tree_flatten(result)[0])
     aliased = [node for node, t in stand_ins.items() if t.untyped_storage()._cdata in out_storages]
     state_written = any(
         t.untyped_storage()._cdata in written_storages for t in module_state.values()

@@ -357,6 +357,59 @@ def test_an_abandoned_iterator_is_collected_and_its_threads_stop():
     assert thread_count_once_gone(before) == before
 
 
+class _Augmenter:
+    """A training object holding a stage over its own method: the stage's
+    C++ side holds the bound method, which holds the object (a cycle through
+    C++)."""
+
+    def __init__(self, how):
+        if how == "transform":
+            self.stage = staged(forever(), transform=self.augment, num_threads=2, capacity=2)
+        else:
+            self.stage = staged(self.batches(), num_threads=2, capacity=2)
+        next(iter(self.stage))
+        # A producer inside the method holds the object from its frame, and
+        # the collector rightly counts that as a live reference: wait for
+        # both to block on the full buffer, as a forgotten stage's do.
+        deadline = time.monotonic() + HANG_BOUND_S
+        while self.stage._impl.describe().count("waiting for") < 2:
+            assert time.monotonic() < deadline, self.stage._impl.describe()
+            time.sleep(0.001)
+
+    def augment(self, x):
+        return x + 1
+
+    def batches(self):
+        yield from forever()
+
+
+@pytest.mark.parametrize("how", ["transform", "source"])
+def test_a_forgotten_stage_over_its_owners_method_is_collected(how):
+    # The garbage collector must see through the C++ stage to the owner's
+    # bound method (or generator): otherwise the cycle is never found, and
+    # the object, its stage and its producer threads live to the exit.
+    before = thread_count()
+    owner = _Augmenter(how)
+    assert thread_count() >= before + 2
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
+    assert thread_count_once_gone(before) == before
+
+
+def test_a_stage_over_its_owners_method_lives_while_a_loop_iterates_it():
+    # A live consumer keeps the stage (and its owner) reachable: traversal
+    # must not make the collector free what a running loop still uses.
+    owner = _Augmenter("transform")
+    it = iter(owner.stage)
+    del owner
+    gc.collect()
+    got = [next(it)[0].item() for _ in range(5)]
+    assert got == sorted(got) and all(v >= 1 for v in got)
+    it._stage.close()
+
+
 def test_interpreter_exit_with_running_stages(run_python):
     proc = run_python(
         """

@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -108,18 +109,26 @@ class PyStageWork final : public StageWork {
         flatten_for_device_(flatten_for_device) {}
 
   ~PyStageWork() override {
-    for (py::object* obj :
-         {&source_,
-          &iterator_,
-          static_cast<py::object*>(&feed_dict_),
-          &transform_,
-          static_cast<py::object*>(&closed_types_),
-          static_cast<py::object*>(&ignored_types_),
-          &flatten_,
-          &check_structure_,
-          &on_skip_,
-          &nbytes_}) {
+    for (py::object* obj : python_objects()) {
       drop(*obj);
+    }
+  }
+
+  // For the garbage collector, through the _Stage type's tp_traverse and
+  // tp_clear (GIL held): the references this work holds, so that a cycle
+  // through it (an object whose stage calls the object's own method) is
+  // found; and dropping them, which only the stage's own quiescence makes
+  // safe (PyStage::clear). Members change only under the GIL, so a
+  // traversal sees them whole.
+  int traverse(visitproc visit, void* arg) {
+    for (py::object* obj : python_objects()) {
+      Py_VISIT(obj->ptr());
+    }
+    return 0;
+  }
+  void clear() {
+    for (py::object* obj : python_objects()) {
+      *obj = py::object();
     }
   }
 
@@ -253,6 +262,20 @@ class PyStageWork final : public StageWork {
     return Outcome::kError;
   }
 
+  std::array<py::object*, 10> python_objects() {
+    return {
+        &source_,
+        &iterator_,
+        &feed_dict_,
+        &transform_,
+        &closed_types_,
+        &ignored_types_,
+        &flatten_,
+        &check_structure_,
+        &on_skip_,
+        &nbytes_};
+  }
+
   const std::string name_;
   py::object source_;
   const bool call_source_;
@@ -318,6 +341,27 @@ class PyStage {
     return *stage_;
   }
 
+  int traverse(visitproc visit, void* arg) {
+    return work_->traverse(visit, arg);
+  }
+
+  // tp_clear: the collector found this stage in a cycle nobody can reach.
+  // Stage.__del__ (a finalizer, run before any clear) has normally closed
+  // it already; close() here covers a bare handle. The work's references
+  // are dropped only once no producer can call into it again: one left
+  // behind by the join timeout (stuck in user code) may still use them, and
+  // then the cycle is left as it is (leaked, as before the collector could
+  // see it) rather than freed under that thread.
+  void clear() {
+    {
+      ReleasedGil no_gil;
+      stage_->close();
+    }
+    if (stage_->quiescent()) {
+      work_->clear();
+    }
+  }
+
   // Consumer side: the next item as a Python object; raises StopIteration
   // at the end and the item's own exception at a failed position.
   py::object next(int64_t timeout_ms) {
@@ -325,6 +369,7 @@ class PyStage {
         timeout_ms >= 0 ? timeout_ms : stage_->options().timeout_ms);
     StageItem out;
     const auto start = Clock::now();
+    const int64_t consumed_before = stage_->consumed();
     trace::Span span(trace::Kind::kTake, stage_->take_span_name());
     const TakeStatus status = wait_releasing_gil(
         timeout.count(), TakeStatus::kTimeout, [&](Clock::time_point until) {
@@ -348,7 +393,8 @@ class PyStage {
           "StageTimeoutError",
           stage_->timeout_message(
               std::chrono::duration_cast<std::chrono::milliseconds>(
-                  Clock::now() - start)));
+                  Clock::now() - start),
+              consumed_before));
     }
     switch (status) {
       case TakeStatus::kItem:
@@ -517,7 +563,29 @@ std::optional<c10::Device> parse_device(const py::object& device) {
 } // namespace
 
 void init_stage(py::module_& m) {
-  py::class_<PyStage, std::shared_ptr<PyStage>>(m, "_Stage")
+  // Garbage-collected: a stage over its owner's method (transform=self.f,
+  // or source=self.gen()) is a cycle through C++ that the collector would
+  // otherwise never see, and the owner, the stage and its producer threads
+  // would live until the interpreter exits. (pybind11's custom_type_setup
+  // recipe.)
+  py::class_<PyStage, std::shared_ptr<PyStage>>(
+      m, "_Stage", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+        auto* type = &heap_type->ht_type;
+        type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+        type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+          Py_VISIT(Py_TYPE(self));
+          if (!py::detail::is_holder_constructed(self)) {
+            return 0;
+          }
+          return py::cast<PyStage&>(py::handle(self)).traverse(visit, arg);
+        };
+        type->tp_clear = [](PyObject* self) {
+          if (py::detail::is_holder_constructed(self)) {
+            py::cast<PyStage&>(py::handle(self)).clear();
+          }
+          return 0;
+        };
+      }))
       .def(
           py::init([](py::object source,
                       bool call_source,

@@ -1105,8 +1105,20 @@ bool Stage::closed() const {
   return state_->closed;
 }
 
+bool Stage::quiescent() const {
+  if (!closed()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(state_->exit_mu);
+  return state_->live == 0;
+}
+
 int64_t Stage::buffered() const {
   return static_cast<int64_t>(state_->buffer.size());
+}
+
+int64_t Stage::consumed() const {
+  return state_->consumed.load();
 }
 
 bool Stage::failed() const {
@@ -1185,8 +1197,33 @@ std::optional<TunerMemory> Stage::tuning_memory() const {
   return state_->tuner->memory();
 }
 
-std::string Stage::timeout_message(std::chrono::milliseconds waited) const {
+std::string Stage::timeout_message(
+    std::chrono::milliseconds waited,
+    int64_t consumed_before) const {
   const StageStats s = stats();
+  const std::string counts = c10::str(
+      s.produced, " item(s) produced and ", s.consumed, " consumed so far; ");
+  const int64_t to_others =
+      consumed_before < 0 ? 0 : s.consumed - consumed_before;
+  if (to_others > 0) {
+    // Each item goes to one consumer: this one starved while others were
+    // served, which no timeout on the source explains.
+    return c10::str(
+        "stage '",
+        name(),
+        "' gave this consumer no item for ",
+        waited.count(),
+        " ms (timeout_millis=",
+        state_->options.timeout_ms,
+        ") while it delivered ",
+        to_others,
+        " to other consumers; ",
+        counts,
+        describe(),
+        ". Each item goes to one consumer: with more consumers than the "
+        "producers keep busy, one may wait while the others take every item "
+        "(fewer consumers, more num_threads, or a larger timeout_millis).");
+  }
   return c10::str(
       "stage '",
       name(),
@@ -1195,10 +1232,7 @@ std::string Stage::timeout_message(std::chrono::milliseconds waited) const {
       " ms (timeout_millis=",
       state_->options.timeout_ms,
       "); ",
-      s.produced,
-      " item(s) produced and ",
-      s.consumed,
-      " consumed so far; ",
+      counts,
       describe(),
       ". A slow source needs a larger timeout_millis; a source that never "
       "returns is a bug in the source.");

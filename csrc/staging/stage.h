@@ -317,8 +317,17 @@ class Stage {
 
   bool started() const;
   bool closed() const;
+  // Closed, and no producer is inside StageWork or will enter it again:
+  // every producer has exited (none was left behind by close()'s join
+  // timeout). Consumers are the caller's affair: one making an item itself
+  // (auto-tuning's no-thread setting) is inside take(), which the caller
+  // can see. What lets a binding release what the work holds (the Python
+  // garbage collector's tp_clear) without a thread still using it.
+  bool quiescent() const;
   // Items waiting in the buffer now.
   int64_t buffered() const;
+  // Items taken by consumers so far (stats().consumed, without the rest).
+  int64_t consumed() const;
   bool failed() const;
   const std::string& name() const;
   const StageOptions& options() const;
@@ -331,7 +340,11 @@ class Stage {
   // (StageOptions::tuning_memory); nullopt unless auto_tune.
   std::optional<TunerMemory> tuning_memory() const;
   // The error a consumer reports when it waited past timeout_ms.
-  std::string timeout_message(std::chrono::milliseconds waited) const;
+  // `consumed_before`: stats().consumed when its wait began (-1: unknown),
+  // so that a consumer starved while others were served is told so.
+  std::string timeout_message(
+      std::chrono::milliseconds waited,
+      int64_t consumed_before = -1) const;
 
   // Where warnings go (dropped items); the default prints with TORCH_WARN.
   using WarnFn = std::function<void(const std::string&)>;

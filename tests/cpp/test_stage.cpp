@@ -209,9 +209,51 @@ TEST(Stage, TimeoutDescribesTheProducers) {
       << message;
   std::string warning;
   stage->set_warning_handler([&](const std::string& w) { warning = w; });
+  // A consumer that waited while another was served is told so.
+  EXPECT_NE(
+      stage->timeout_message(50ms, 0).find("stage 'test' delivered no item"),
+      std::string::npos);
+  EXPECT_FALSE(stage->quiescent());
   stage->close();
   EXPECT_NE(warning.find("still inside user code"), std::string::npos)
       << warning;
+  // The producer left behind still runs the work: what it holds must stay.
+  EXPECT_FALSE(stage->quiescent());
+}
+
+TEST(Stage, ATimedOutConsumerIsToldWhenOthersWereServed) {
+  auto work = std::make_shared<CountingWork>(10);
+  Stage stage(options(2, 1), work);
+  const int64_t before = stage.consumed();
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  const std::string message = stage.timeout_message(50ms, before);
+  EXPECT_NE(
+      message.find("stage 'test' gave this consumer no item for 50 ms "
+                   "(timeout_millis="),
+      std::string::npos)
+      << message;
+  EXPECT_NE(
+      message.find("while it delivered 2 to other consumers"),
+      std::string::npos)
+      << message;
+  EXPECT_NE(message.find("Each item goes to one consumer"), std::string::npos);
+}
+
+TEST(Stage, QuiescentOnceClosedAndEveryProducerHasLeft) {
+  auto work = std::make_shared<CountingWork>(1'000'000);
+  Stage never_started(options(2, 3), work);
+  EXPECT_FALSE(never_started.quiescent());
+  never_started.close();
+  EXPECT_TRUE(never_started.quiescent());
+
+  Stage stage(options(2, 3), work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  EXPECT_FALSE(stage.quiescent());
+  stage.close();
+  EXPECT_TRUE(stage.quiescent());
 }
 
 std::string log_of(const Stage& stage) {

@@ -1041,6 +1041,13 @@ def test_resume_bad_use_is_a_clear_error():
             ValueError,
             r"num_threads must be >= 1 \(or None: auto-tuned\), got 0",
         ),
+        (
+            # Each producer thread holds an item it is making; tens of
+            # thousands started before the kernel refused (seconds, GBs).
+            {"num_threads": 1025},
+            ValueError,
+            r"num_threads must be >= 1 \(or None: auto-tuned\) and at most 1024, got 1025",
+        ),
         ({"num_clients": -1}, ValueError, "num_clients must be >= 1, got -1"),
         ({"timeout_millis": 0}, ValueError, "timeout_millis must be > 0, got 0"),
         ({"timeout_millis": 1.5}, TypeError, "timeout_millis must be an int"),

@@ -8,6 +8,13 @@ INT64_MAX = 2**63 - 1
 #: kernels): a thread count above it is a mistake, never a wish.
 MAX_THREADS = 2**22
 
+#: The most producer threads one stage may have (stage.cpp's
+#: kMaxStageThreads). Each holds an item it is making and a stack: far above
+#: the cores of any machine or the requests a source keeps in flight, and a
+#: larger number is a typo (2**16 started some 32k threads, seconds and GBs,
+#: before the kernel refused the rest).
+MAX_STAGE_THREADS = 1024
+
 #: A float wait (seconds, possibly inf) longer than this (about 31.7 years)
 #: is waited as this long; the C++ side waits longer ones forever.
 MAX_WAIT_MS = 10**12

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torch_stage import _C, _pytree
-from torch_stage._checks import MAX_THREADS, check_int
+from torch_stage._checks import MAX_STAGE_THREADS, MAX_THREADS, check_int
 from torch_stage.errors import StageTimeoutError
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
@@ -593,7 +593,7 @@ def staged(
     if capacity is not None:
         check_int("capacity", capacity, 1, ">= 1 (or None: auto-tuned)")
     if num_threads is not None:
-        check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_THREADS)
+        check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_STAGE_THREADS)
     if not isinstance(autotune, bool):
         raise TypeError(f"autotune must be a bool, got {autotune!r}")
     tuning = _tuning(capacity, num_threads, autotune, _min_threads)

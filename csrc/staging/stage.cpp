@@ -943,10 +943,20 @@ struct Stage::State : std::enable_shared_from_this<State> {
 
 namespace {
 
+// Each producer holds an item it is making and a stack: far above the cores
+// of any machine or the requests a source keeps in flight. A larger count is
+// a typo, and 2**16 started some 32k threads before the kernel refused.
+// (torch_stage/_checks.py's MAX_STAGE_THREADS.)
+constexpr int64_t kMaxStageThreads = 1024;
+
 StageOptions checked(StageOptions o) {
   TORCH_CHECK_VALUE(o.capacity >= 1, "capacity must be >= 1, got ", o.capacity);
   TORCH_CHECK_VALUE(
-      o.num_threads >= 1, "num_threads must be >= 1, got ", o.num_threads);
+      o.num_threads >= 1 && o.num_threads <= kMaxStageThreads,
+      "num_threads must be in [1, ",
+      kMaxStageThreads,
+      "], got ",
+      o.num_threads);
   TORCH_CHECK_VALUE(
       o.num_clients >= 1, "num_clients must be >= 1, got ", o.num_clients);
   if (o.auto_tune) {

@@ -124,6 +124,7 @@ TEST(Stage, RejectsBadOptionsBeforeStarting) {
   auto work = std::make_shared<CountingWork>(3);
   EXPECT_THROW(Stage(options(0, 1), work), c10::ValueError);
   EXPECT_THROW(Stage(options(1, 0), work), c10::ValueError);
+  EXPECT_THROW(Stage(options(1, 1025), work), c10::ValueError);
   auto o = options(1, 1);
   o.pool_id = 999;
   EXPECT_THROW(Stage(o, work), c10::ValueError);

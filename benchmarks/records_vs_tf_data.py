@@ -324,7 +324,7 @@ def phase_of(tid, name):
         return "read"
     if name.startswith("tsrec:mix"):
         return "shuffle"
-    if name.startswith("torch_stage"):
+    if name.startswith(("torch_stage:", "ts:")):
         return "stage"
     return "other"
 

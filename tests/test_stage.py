@@ -527,6 +527,25 @@ def test_stage_thread_pool_names_threads_and_bounds_work():
     assert intra == {1}
 
 
+def test_thread_names_keep_the_stage_name_and_the_producer_id_within_linux_15_characters():
+    # top -H, py-spy and gdb show the kernel's name, which Linux cuts at 15
+    # characters: "torch_stage:augment_images:1" became "torch_stage:aug"
+    # for every stage and every producer alike.
+    names = set()
+
+    def work(x):
+        names.add(open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip())
+        time.sleep(0.002)
+        return x
+
+    with staged(range(40), transform=work, num_threads=2, name="augment_images") as stage:
+        assert list(stage) == list(range(40))
+    with staged(range(4), transform=work, name="io") as stage:
+        assert list(stage) == list(range(4))
+    assert names <= {"ts:augment_im:0", "ts:augment_im:1", "ts:io:0"}, names
+    assert {"ts:augment_im:0", "ts:io:0"} <= names, names
+
+
 @pytest.mark.parametrize("slots, prep_threads", [(1, 1), (2, 2), (2, 3)])
 def test_a_stage_reading_another_of_its_pool_holds_no_slot_while_it_waits(slots, prep_threads):
     # prep's producers read from read, a stage of the same pool: a producer

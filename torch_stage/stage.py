@@ -557,7 +557,9 @@ def staged(
             :func:`add_stage_thread_pool`...
         stage_subgraph_thread_pool_id: ...this one (the id it returned).
             Otherwise producers use the default settings: one intra-op thread
-            each, named ``torch_stage:<name>:<i>``.
+            each, named ``torch_stage:<name>:<i>`` (in ``torch_stage.trace``;
+            Linux keeps 15 characters, so ``top -H`` shows ``ts:<name>:<i>``
+            with the name cut to fit where the whole does not).
         stage_subgraph_stream_id: with ``device``, the staging stream the
             copies run on (1..31: torch_stage's own staging streams, which
             no multi-stream plan or CUDA graph capture uses), or 0 for the

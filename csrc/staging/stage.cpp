@@ -58,6 +58,8 @@ int64_t thread_cpu_ns() {
 // ---------------------------------------------------------------------------
 // Stage pools
 
+constexpr const char* kDefaultPoolName = "torch_stage";
+
 struct Pool {
   StagePoolConfig config;
   int64_t busy = 0; // guarded by pools_mu()
@@ -73,7 +75,7 @@ std::condition_variable& pools_cv() {
 }
 // Guarded by pools_mu(). Index 0 is the default pool.
 std::vector<Pool>& pools() {
-  static std::vector<Pool> all{Pool{StagePoolConfig{0, 1, "torch_stage"}}};
+  static std::vector<Pool> all{Pool{StagePoolConfig{0, 1, kDefaultPoolName}}};
   return all;
 }
 
@@ -274,10 +276,29 @@ void bound_intra_op_threads(int64_t threads) {
   }
 }
 
-void name_thread(const std::string& name) {
-  // Linux allows 15 characters; the rest still shows in profilers that read
-  // the record_function ranges, and in torch_stage.trace.
-  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+// Linux keeps 15 characters of a thread's name (what top -H, py-spy and gdb
+// show): "torch_stage:augment_images:1" would be "torch_stage:aug" for every
+// stage and producer alike. So a name that does not fit keeps the producer's
+// id whole and as much of the stage's name as fits, after a short pool name
+// ("ts" for the default pool). The full name still goes to torch_stage.trace.
+std::string kernel_thread_name(
+    const std::string& pool,
+    const std::string& stage,
+    int64_t id) {
+  constexpr size_t kMax = 15;
+  const std::string tail = ":" + std::to_string(id);
+  std::string name = pool + ":" + stage + tail;
+  if (name.size() <= kMax) {
+    return name;
+  }
+  const std::string head =
+      (pool == kDefaultPoolName ? std::string("ts") : pool.substr(0, 4)) + ":";
+  const size_t room = kMax - std::min(kMax, head.size() + tail.size());
+  return (head + stage.substr(0, room) + tail).substr(0, kMax);
+}
+
+void name_thread(const std::string& kernel_name, const std::string& name) {
+  pthread_setname_np(pthread_self(), kernel_name.c_str());
   trace::set_thread_name(name);
 }
 
@@ -562,6 +583,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::string thread_name(int64_t id) const {
     return c10::str(pool.global_name, ":", options.name, ":", id);
   }
+  std::string kernel_name(int64_t id) const {
+    return kernel_thread_name(pool.global_name, options.name, id);
+  }
 
   void produce(int64_t id, const at::ThreadLocalState& starter) {
     // Producers run under the starting thread's thread-local state, as
@@ -569,7 +593,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
     // the stage's ranges, and grad mode matches the consumer's.
     at::ThreadLocalStateGuard tls(starter);
     ProducerStatus& status = statuses[id];
-    name_thread(thread_name(id));
+    name_thread(kernel_name(id), thread_name(id));
     bound_intra_op_threads(pool.intra_op_threads);
     while (!stop.load()) {
       if (!gate(id, status) || !step(status, /*consumer=*/false)) {
@@ -813,8 +837,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         // Named here too, so that the threads are visible under their names
         // once start() returns (a parked producer may not run for a while).
         pthread_setname_np(
-            threads.back().native_handle(),
-            thread_name(i).substr(0, 15).c_str());
+            threads.back().native_handle(), kernel_name(i).c_str());
       } catch (const std::system_error& e) {
         refuse_start(i, e);
       }

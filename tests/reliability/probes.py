@@ -24,8 +24,9 @@ def thread_names() -> List[str]:
 
 def stage_threads() -> int:
     """torch_stage's producer threads in this process (named
-    ``torch_stage:<stage>:<i>``)."""
-    return sum(n.startswith("torch_stage") for n in thread_names())
+    ``torch_stage:<stage>:<i>``, or ``ts:<stage>:<i>`` where that is longer
+    than the 15 characters Linux keeps)."""
+    return sum(n.startswith(("torch_stage:", "ts:")) for n in thread_names())
 
 
 def thread_count() -> int:

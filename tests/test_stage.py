@@ -238,6 +238,20 @@ def test_transform_changing_structure_is_an_error_naming_the_item():
         drain(staged(range(6), transform=transform))
 
 
+@pytest.mark.parametrize("source", [list, iter], ids=["resumable list", "iterator"])
+def test_a_structure_change_is_described_in_the_users_terms(source):
+    # Over a resumable source items travel as (position, item) pairs; the
+    # message must show the transform's output, not that pair.
+    items = [{"a": torch.ones(2)}, {"a": torch.ones(2)}, {"b": torch.ones(2)}]
+    with pytest.raises(ValueError) as info:
+        drain(staged(source(items), transform=lambda d: d))
+    assert str(info.value) == (
+        "the transform returned a different structure for item 2 than for the first item: "
+        "TreeSpec(dict, ['b'], [*]) with tensors at leaves [0] instead of "
+        "TreeSpec(dict, ['a'], [*]) with tensors at leaves [0]"
+    )
+
+
 def test_stages_compose():
     read = staged(range(100), name="read", capacity=4)
     prep = staged(read, name="prep", transform=lambda x: x * 2, num_threads=2, capacity=4)

@@ -115,12 +115,18 @@ class StructureChecker:
     at any point, so the first structure is set and read under a lock.
     """
 
-    def __init__(self):
+    def __init__(self, tagged: bool = False):
         self._lock = threading.Lock()
         self._first = None
         self._first_signature = None  # None: undecided, the full check runs
+        # Items are (position, item) pairs (a resumable stage's, see
+        # stage._tagged): the item is what the user's transform returned,
+        # and what a message about its structure must show.
+        self._tagged = tagged
 
     def __call__(self, obj, index):
+        if self._tagged:
+            obj = obj[1]
         with self._lock:
             first, first_signature = self._first, self._first_signature
         if first_signature is not None:
@@ -165,3 +171,16 @@ def on_skip(stage, index, exc):
         type(exc).__name__,
         exc,
     )
+
+
+class TaggedHelpers:
+    """This module's helpers for a stage whose items are (position, item)
+    pairs (stage._tagged): the same, but structure checks look at the item."""
+
+    flatten = staticmethod(flatten)
+    nbytes = staticmethod(nbytes)
+    on_skip = staticmethod(on_skip)
+
+    @staticmethod
+    def StructureChecker():  # noqa: N802 - the C++ side calls helpers.StructureChecker()
+        return StructureChecker(tagged=True)

@@ -90,6 +90,7 @@ class Stage:
         self._resume_kind = None if _options["call_source"] else _resume_kind(source)
         self._source_type = type(source).__name__
         self._cursor: Optional[_Cursor] = None
+        helpers = _pytree
         if self._resume_kind is not None:
             # Resumable: items travel tagged with their source position (see
             # _Cursor), so the state counts exactly what consumers received.
@@ -98,9 +99,10 @@ class Stage:
             transform = _options["transform"]
             if transform is not None:
                 _options = dict(_options, transform=_tagged(transform))
+                helpers = _pytree.TaggedHelpers
         self._impl = _C._Stage(
             source=source,
-            helpers=_pytree,
+            helpers=helpers,
             warn=_warn,
             join_timeout_ms=_JOIN_TIMEOUT_MS,
             **_options,

@@ -1062,6 +1062,18 @@ def test_resume_bad_use_is_a_clear_error():
     assert staged([1, 2], num_threads=1, ordered=False).state_dict()["position"] == 0
 
 
+def test_describe_does_not_claim_a_measurement_before_any():
+    with staged(forever(), capacity=2) as stage:  # auto-tuned, starts with one thread
+        next(iter(stage))
+        deadline = time.monotonic() + HANG_BOUND_S
+        while "producer 1: starting" in (text := stage._impl.describe()):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.001)
+        assert stage.stats()["tuning"]["windows"] == 0, stage.stats()["tuning"]
+    assert "producer 1: parked by auto-tuning (its current setting uses fewer threads)" in text
+    assert "measured" not in text
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 

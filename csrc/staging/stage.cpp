@@ -247,7 +247,10 @@ const char* phase_text(Phase p) {
     case Phase::kWaitingForSpace:
       return "waiting for space in the buffer (consumers are slower)";
     case Phase::kParked:
-      return "parked by auto-tuning (fewer threads measured as fast)";
+      // Not "measured as no faster": the tuner starts below num_threads
+      // and adds a thread only after measuring, so before any measurement
+      // the spare threads are parked too.
+      return "parked by auto-tuning (its current setting uses fewer threads)";
     case Phase::kExited:
       return "exited";
   }

@@ -138,3 +138,29 @@ def test_following_control_flow_leaves_no_trace():
     assert torch.equal(module.bn.running_mean, stats)
     assert torch.equal(module.bn.num_batches_tracked, tracked)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class _BufferOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        self.bn.running_mean.add_(1.0)
+        return self.bn(x) + self.bn.running_mean * 2.0
+
+
+def test_buffers_are_read_when_forward_runs_not_while_tracing():
+    # torch.fx's default runs an op on a buffer alone while tracing: the
+    # in-place add would change the module once, there, and be missing from
+    # the graph, and the product would be a constant of the value then.
+    module = _BufferOps().eval()
+    gm = trace(module)
+    assert torch.equal(module.bn.running_mean, torch.zeros(4))
+    assert [n.target for n in gm.graph.nodes if n.op == "get_attr"] == ["bn.running_mean"]
+    assert "add_" in [n.target for n in gm.graph.nodes]
+    x = torch.randn(3, 4)
+    eager = _BufferOps().eval()
+    for _ in range(2):
+        assert torch.equal(gm(x), eager(x))
+    assert torch.equal(module.bn.running_mean, eager.bn.running_mean)

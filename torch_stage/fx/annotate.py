@@ -56,6 +56,12 @@ class AnnotatingTracer(torch.fx.Tracer):
         example_inputs: Optional[Sequence[Any]] = None,
     ):
         super().__init__()
+        # Buffers read in forward become get_attr nodes, as parameters do:
+        # otherwise an op on a buffer alone runs once, while tracing, and
+        # the graph holds its result as a constant (self.bn.running_mean * 2
+        # frozen at its value then) or nothing at all (an in-place write,
+        # self.bn.running_mean.add_(1), done once to the module's buffer).
+        self.proxy_buffer_attributes = True
         self.num_streams = num_streams
         self.example_inputs = None if example_inputs is None else tuple(example_inputs)
         self.specialised: List[str] = []

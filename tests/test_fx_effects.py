@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_stage
-from torch_stage.fx.effects import written_args
+from torch_stage.fx.effects import aliased_args, written_args
 
 
 def _graph(*placeholders):
@@ -64,6 +64,32 @@ def test_fused_adam_writes_what_its_schema_marks():
              maximize=False),
     )  # fmt: skip
     assert {x.name for x in written_args(node)} == {"p", "grad", "m", "v"}
+
+
+@pytest.mark.parametrize(
+    "build, aliased, written",
+    [
+        (lambda g, w: g.call_function(getattr, (w, "data")), True, False),
+        (lambda g, w: g.call_method("detach", (w,)), True, False),
+        (lambda g, w: g.call_method("clamp_", (w, -1.0, 1.0)), True, True),
+        # Two-dimensional indices: the weight's own shape answers them.
+        (lambda g, w: g.call_function(operator.setitem, (w, (slice(None), 0), 0.0)), False, True),
+        (lambda g, w: g.call_method("sum", (w,)), False, False),
+    ],
+    ids=["data", "detach", "clamp_", "setitem-2d", "sum"],
+)
+def test_parameters_are_probed_as_meta_tensors_of_their_shape(build, aliased, written):
+    # A get_attr node's value is the graph owner's attribute: given the
+    # owner, the probe runs on a meta tensor like it (nothing of the real
+    # weight is touched), so .data of a parameter aliases it.
+    root = torch.nn.Linear(4, 3)
+    before = root.weight.detach().clone()
+    g = torch.fx.Graph()
+    w = g.get_attr("weight")
+    node = build(g, w)
+    assert aliased_args(node, root) == ([w] if aliased else [])
+    assert written_args(node, root) == ([w] if written else [])
+    assert torch.equal(root.weight, before)
 
 
 # Graphs with independent branches and in-place writes in every spelling:

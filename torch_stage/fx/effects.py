@@ -15,7 +15,8 @@ with no trailing ``_``), so the answer is taken from the ops themselves:
    back to the node's arguments. Meta tensors take the node's recorded
    shapes and dtypes when example inputs were given (``tensor_meta``), else
    one-element float tensors, which answer for every op whose writes do
-   not depend on shapes;
+   not depend on shapes; parameters and buffers (``get_attr`` nodes) take
+   their own shapes, strides and dtypes when the graph's owner is given;
 3. a packet or builtin the probe cannot run: the union, over the op's
    overloads, of the positions and names its schemas mark as written.
 
@@ -53,15 +54,17 @@ __all__ = [
 ]
 
 
-def written_args(n: torch.fx.Node) -> List[Any]:
+def written_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> List[Any]:
     """The values among ``n``'s arguments (nodes or lists of nodes) that
-    ``n`` writes, for ``call_function`` and ``call_method`` nodes."""
+    ``n`` writes, for ``call_function`` and ``call_method`` nodes. ``root``
+    owns the graph: with it, parameters and buffers (``get_attr`` nodes)
+    take part in the probe, as meta tensors of their shapes."""
     if n.op not in ("call_function", "call_method"):
         return []
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         found = _by_schemas([n.target._schema], n.args, n.kwargs)
     else:
-        found = _probe(n) if _probe_safe(n) else None
+        found = _probe(n, root) if _probe_safe(n) else None
         if found is None:
             found = _by_schemas(_schemas(n), n.args, n.kwargs)
         if found == [] and _mutates_first_operand(n) and isinstance(n.args[0], torch.fx.Node):
@@ -81,18 +84,19 @@ def aliased_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
     failing that, the alias sets of the op's schemas. A name list of views
     misses every op that may return its input. ``root`` owns the graph
     (for ``call_module`` nodes: modules from ``torch.nn`` are probed with
-    meta parameters)."""
+    meta parameters; ``get_attr`` nodes: ``self.a.weight.data`` is probed
+    with a meta stand-in of the weight)."""
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         return _aliased_by_schemas([n.target._schema], n.args, n.kwargs)
     if n.op == "call_module":
         module = root.get_submodule(n.target) if root is not None else None
         if module is None or not type(module).__module__.startswith("torch.nn."):
             return []
-        probed = _probe_both(n, module)
+        probed = _probe_both(n, module, root)
         return [] if probed is None else probed[1]
     if n.op not in ("call_function", "call_method"):
         return []
-    probed = _probe_both(n) if _probe_safe(n) else None
+    probed = _probe_both(n, root=root) if _probe_safe(n) else None
     if probed is not None:
         return probed[1]
     return _aliased_by_schemas(_schemas(n), n.args, n.kwargs)
@@ -109,7 +113,7 @@ def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> bool:
     module = root.get_submodule(n.target)
     if not type(module).__module__.startswith("torch.nn."):
         return False
-    probed = _probe_both(n, module)
+    probed = _probe_both(n, module, root)
     return probed is not None and probed[2]
 
 
@@ -305,27 +309,31 @@ def _meta_for(node: torch.fx.Node, dtype: Optional[torch.dtype] = None) -> Optio
         return None
 
 
-def _probe(n: torch.fx.Node) -> Optional[List[Any]]:
+def _probe(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Optional[List[Any]]:
     """Run ``n`` on meta tensors and map the written ones to its args."""
-    probed = _probe_both(n)
+    probed = _probe_both(n, root=root)
     return None if probed is None else probed[0]
 
 
 def _probe_both(
-    n: torch.fx.Node, module: Optional[torch.nn.Module] = None
+    n: torch.fx.Node,
+    module: Optional[torch.nn.Module] = None,
+    root: Optional[torch.nn.Module] = None,
 ) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
     """Run ``n`` (a call of ``module`` for a ``call_module`` node) on meta
     tensors: the arguments it writes, the argument nodes whose memory its
     result shares, and whether it writes the module's own parameters or
-    buffers. None when it cannot run there."""
+    buffers. None when it cannot run there. ``root`` (the graph's owner)
+    gives the ``get_attr`` nodes among the arguments their stand-ins;
+    without it, a node that reads one is not probed."""
     probes = getattr(_cache, "probes", None)
-    key = (n, module is not None)
+    key = (n, module is not None, None if root is None else id(root))
     if probes is not None and key in probes:
         return probes[key]
-    probed = _probe_with(n, module, None)
+    probed = _probe_with(n, module, None, root)
     if probed is None and n.op == "call_module":
         # A module of indices (an embedding's lookup) takes integer ones.
-        probed = _probe_with(n, module, torch.long)
+        probed = _probe_with(n, module, torch.long, root)
     if probes is not None:
         probes[key] = probed
     return probed
@@ -361,8 +369,30 @@ def _storages(values) -> set:
     return found
 
 
+def _attribute_stand_in(root: Optional[torch.nn.Module], target: str) -> Optional[torch.Tensor]:
+    """A meta tensor with the shape, strides and dtype of ``root``'s
+    attribute ``target`` (a ``get_attr`` node's), or None where that is no
+    plain tensor or parameter (a subclass, a script object, a module)."""
+    if root is None:
+        return None
+    value: Any = root
+    try:
+        for part in target.split("."):
+            value = getattr(value, part)
+        if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        return torch.empty_strided(
+            tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta"
+        )
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 def _probe_with(
-    n: torch.fx.Node, module: Optional[torch.nn.Module], dtype: Optional[torch.dtype]
+    n: torch.fx.Node,
+    module: Optional[torch.nn.Module],
+    dtype: Optional[torch.dtype],
+    root: Optional[torch.nn.Module] = None,
 ) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
     """_probe_both with stand-ins of ``dtype`` where shapes are unknown."""
     stand_ins: Dict[torch.fx.Node, torch.Tensor] = {}
@@ -373,14 +403,12 @@ def _probe_with(
         if not isinstance(value, torch.fx.Node):
             return value
         if value not in stand_ins:
-            if (
-                value.op == "get_attr"
-                or "val" in value.meta
-                and not isinstance(value.meta.get("val"), torch.Tensor)
-            ):
-                failed = True
-                return value
-            t = _meta_for(value, dtype)
+            if value.op == "get_attr":
+                t = _attribute_stand_in(root, value.target)
+            elif "val" in value.meta and not isinstance(value.meta.get("val"), torch.Tensor):
+                t = None
+            else:
+                t = _meta_for(value, dtype)
             if t is None:
                 failed = True
                 return value

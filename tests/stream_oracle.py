@@ -27,10 +27,15 @@ def waits(gm):
     return out
 
 
-def without_wait(gm, wait):
+def without_wait(gm, wait, share_state=False):
     """A copy of ``gm`` without ``wait`` (from :func:`waits`), and whether
-    that leaves a data dependency between streams unordered."""
-    mutant = copy.deepcopy(gm)
+    that leaves a data dependency between streams unordered. With
+    ``share_state`` the copy shares ``gm``'s parameters and buffers (a deep
+    copy gives two parameters over one storage a storage each)."""
+    if share_state:
+        mutant = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    else:
+        mutant = copy.deepcopy(gm)
     name, k = wait
     node = next(n for n in mutant.graph.nodes if n.name == name)
     conflict = data_conflict_expected(mutant, wait)

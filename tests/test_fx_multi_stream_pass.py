@@ -386,3 +386,31 @@ def test_a_scripted_plan_is_the_plan_in_effect():
     expected = ms(x)
     torch.manual_seed(1)
     assert torch.equal(scripted(x), expected)
+
+
+class _ClampsATowersWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        with torch_stage.stream(1):
+            w = self.a.weight.data
+            w.clamp_(-0.1, 0.1)
+        return y + self.b(x)
+
+
+def test_a_write_to_a_submodules_weight_waits_for_the_module_call():
+    # self.a(x) reads a.weight, which is no node of the graph; the clamp on
+    # stream 1 writes it through get_attr and .data: it waits for the call.
+    torch.manual_seed(0)
+    eager = _ClampsATowersWeight()
+    torch.manual_seed(0)
+    gm = MultiStreamPass(num_streams=2, strategy="user", verify=True)(_ClampsATowersWeight())
+    plan = gm.stream_plan
+    assert (plan.assignment["a"], plan.assignment["clamp_"]) == (0, 1)
+    assert [(w.node, w.stream, w.after) for w in plan.waits] == [("clamp_", 1, "a")], str(plan)
+    x = torch.randn(4, 8)
+    assert torch.equal(gm(x), eager(x))
+    assert torch.equal(gm.a.weight, eager.a.weight)

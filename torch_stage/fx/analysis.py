@@ -25,7 +25,11 @@ reader and before every later reader of the tensors it may alias. What may
 alias what comes from real storage when example inputs are given, else from
 the ops (fx/effects.py: views, and any op that may return its input itself,
 ``contiguous`` or eval-mode dropout, by its schema or a run on meta
-stand-ins). Random ops
+stand-ins). Parameters and buffers are no nodes: ``get_attr`` nodes reach
+them, and a ``call_module`` node reads its module's (and writes them, if it
+writes its own state); both are tied to the tensors' storage, so a write
+through ``self.a.weight.data`` and the call ``self.a(x)``, or two modules
+sharing one weight, are ordered like any other write and read. Random ops
 need no edge: their values are fixed by their launch order on the host,
 which the rewrite keeps.
 
@@ -108,6 +112,11 @@ class _UnionFind:
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
 
+    def add(self) -> int:
+        """A new element, in a set of its own."""
+        self.parent.append(len(self.parent))
+        return len(self.parent) - 1
+
 
 class GraphAnalysis:
     """The scheduler's view of a graph (see the module doc).
@@ -156,6 +165,7 @@ class GraphAnalysis:
         self.kind: Dict[torch.fx.Node, str] = {}
         for n in self.nodes:
             self.kind[n] = classify(self, n)
+        self._state_writes: Dict[torch.fx.Node, bool] = {}
         self.mutated: Dict[torch.fx.Node, List[torch.fx.Node]] = {}
         for n in self.nodes:
             if self.kind[n] not in (INPUT, OUTPUT, HOST):
@@ -227,7 +237,7 @@ class GraphAnalysis:
                 found.append(n.args[0])
         elif n.op in ("call_function", "call_method"):
             # From the ATen schemas of what the node runs (fx/effects.py).
-            found.extend(_flat_nodes(written_args(n)))
+            found.extend(_flat_nodes(written_args(n, self.gm)))
             if "out" in n.kwargs:
                 found.extend(_flat_nodes(n.kwargs["out"]))
         return [x for x in found if isinstance(x, torch.fx.Node)]
@@ -236,25 +246,35 @@ class GraphAnalysis:
         if n in self.mutated:
             return True
         if n.op == "call_module":
-            module = self.gm.get_submodule(n.target)
-            if getattr(module, "_is_impure", False):
-                return True
-            # Batch norm in training updates its running statistics.
-            if (
-                isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
-                and module.training
-                and module.track_running_stats
-            ):
-                return True
-            # Any other torch.nn module that writes its own parameters or
-            # buffers, from the ops it runs (an embedding with max_norm
-            # renormalises the rows it reads: two lookups into one table
-            # both write it).
-            return writes_module_state(n, self.gm)
+            return self._writes_own_state(n)
         if n.op == "call_function":
             effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
             return n.target in effectful
         return False
+
+    def _writes_own_state(self, n: torch.fx.Node) -> bool:
+        """Whether the ``call_module`` node ``n`` writes its module's
+        parameters or buffers (or may: a module marked impure)."""
+        if n in self._state_writes:
+            return self._state_writes[n]
+        module = self.gm.get_submodule(n.target)
+        if getattr(module, "_is_impure", False):
+            writes = True
+        elif (
+            isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+            and module.training
+            and module.track_running_stats
+        ):
+            # Batch norm in training updates its running statistics.
+            writes = True
+        else:
+            # Any other torch.nn module that writes its own parameters or
+            # buffers, from the ops it runs (an embedding with max_norm
+            # renormalises the rows it reads: two lookups into one table
+            # both write it).
+            writes = writes_module_state(n, self.gm)
+        self._state_writes[n] = writes
+        return writes
 
     # -- dependencies -----------------------------------------------------
 
@@ -276,22 +296,52 @@ class GraphAnalysis:
         return found
 
     def _alias_families(self) -> _UnionFind:
+        """Sets of nodes that may share memory; besides the graph's nodes,
+        the union-find holds an element per storage of a parameter or
+        buffer (``self._storage_elements``), in the set of the ``get_attr``
+        nodes that read it."""
         families = _UnionFind(len(self.nodes))
+        self._storage_elements: Dict[Any, int] = {}
         for n in self.nodes:
             for a in self._aliases(n):
                 families.union(self.position[n], self.position[a])
         # FX makes a get_attr node per access: every node of one parameter
         # or buffer (or of tied ones, which share storage) is one family.
-        first: Dict[Any, int] = {}
         for n in self.nodes:
-            if n.op != "get_attr":
-                continue
-            key = _attribute_storage(self.gm, n.target)
-            if key in first:
-                families.union(first[key], self.position[n])
-            else:
-                first[key] = self.position[n]
+            if n.op == "get_attr":
+                key = _attribute_storage(self.gm, n.target)
+                families.union(self._storage_element(families, key), self.position[n])
         return families
+
+    def _storage_element(self, families: _UnionFind, key: Any) -> int:
+        element = self._storage_elements.get(key)
+        if element is None:
+            element = self._storage_elements[key] = families.add()
+        return element
+
+    def _module_state(self, written: Set[int]) -> Dict[int, List[torch.fx.Node]]:
+        """Family -> the ``call_module`` device nodes whose module's
+        parameters or buffers are in it (they read them, and write them
+        where the module writes its own state), for the families of
+        ``written`` and those of the state that modules write; empty when
+        nothing writes a parameter or buffer, the common case, so that
+        planning does not walk every module's parameters for nothing."""
+        families = self._families
+        calls = [n for n in self.device_nodes if n.op == "call_module"]
+        writers = [n for n in calls if self._writes_own_state(n)]
+        holding_state = {families.find(e) for e in self._storage_elements.values()}
+        if not writers and not (written & holding_state):
+            return {}
+        found: Dict[int, List[torch.fx.Node]] = {}
+        for n in calls:
+            module = self.gm.get_submodule(n.target)
+            roots = set()
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                key = _storage_key(t, f"{n.target}.{name}")
+                roots.add(families.find(self._storage_element(families, key)))
+            for root in roots:
+                found.setdefault(root, []).append(n)
+        return found
 
     def _add_edge(self, u: torch.fx.Node, v: torch.fx.Node, kind: int) -> None:
         key = (self.index[u], self.index[v])
@@ -318,26 +368,39 @@ class GraphAnalysis:
                 if previous is not None:
                     self._add_edge(previous, v, 1)
                 previous = v
+        find = self._families.find
         members: Dict[int, List[torch.fx.Node]] = {}
         for n in self.nodes:
-            members.setdefault(self._families.find(self.position[n]), []).append(n)
-        for m, targets in self.mutated.items():
-            if self.kind[m] != DEVICE:
-                continue
-            family: Set[torch.fx.Node] = set()
-            for t in targets:
-                family.update(members[self._families.find(self.position[t])])
-            for f in family:
-                # Every device node that touches the family, members included:
-                # another writer of it (write after write), or a view that
-                # may copy (a read).
-                for r in f.users:
-                    if r is m or self.kind.get(r) != DEVICE:
-                        continue
-                    if self.position[r] < self.position[m]:
-                        self._add_edge(r, m, 1)
-                    else:
-                        self._add_edge(m, r, 1)
+            members.setdefault(find(self.position[n]), []).append(n)
+        writes: List[Tuple[torch.fx.Node, Set[int]]] = [
+            (m, {find(self.position[t]) for t in targets})
+            for m, targets in self.mutated.items()
+            if self.kind[m] == DEVICE
+        ]
+        # Module calls touch their parameters and buffers, which are no
+        # nodes: through their storage's family (see _module_state).
+        state = self._module_state({f for _, fs in writes for f in fs})
+        calls: Dict[torch.fx.Node, Set[int]] = {}
+        for root, nodes in state.items():
+            for n in nodes:
+                calls.setdefault(n, set()).add(root)
+        writes += [(n, fs) for n, fs in calls.items() if self._writes_own_state(n)]
+        for m, written in writes:
+            # Every device node that touches the families, members included:
+            # another writer of them (write after write), a view that may
+            # copy (a read), a module call reading its parameters.
+            touching: Set[torch.fx.Node] = set()
+            for f in written:
+                for member in members.get(f, ()):
+                    touching.update(member.users)
+                touching.update(state.get(f, ()))
+            for r in touching:
+                if r is m or self.kind.get(r) != DEVICE:
+                    continue
+                if self.position[r] < self.position[m]:
+                    self._add_edge(r, m, 1)
+                else:
+                    self._add_edge(m, r, 1)
             # Views created from the family before the write and read after
             # it are covered through their readers above.
 
@@ -437,8 +500,8 @@ class GraphAnalysis:
 
 def _attribute_storage(gm: torch.nn.Module, target: str) -> Any:
     """What a get_attr node reads, for telling when two read the same
-    memory: a tensor's storage, else (an attribute that is no tensor, or a
-    tensor without storage: a subclass's wrapper) the target's name."""
+    memory: a tensor's storage (see :func:`_storage_key`), else (an
+    attribute that is no tensor) the target's name."""
     value: Any = gm
     try:
         for part in target.split("."):
@@ -447,10 +510,20 @@ def _attribute_storage(gm: torch.nn.Module, target: str) -> Any:
         return ("name", target)
     if not isinstance(value, torch.Tensor):
         return ("name", target)
+    return _storage_key(value, target)
+
+
+def _storage_key(t: torch.Tensor, name: str) -> Any:
+    """The memory of parameter or buffer ``t`` (named ``name``), the same
+    for every tensor over one storage (tied weights, ``.data``): its
+    storage's address and device. A tensor without storage (a subclass's
+    wrapper) or without memory (no elements, the meta device: nothing to
+    race on, and their address, 0, is shared) goes by its name."""
     try:
-        return ("storage", value.untyped_storage().data_ptr(), value.device)
+        ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
-        return ("name", target)
+        return ("name", name)
+    return ("storage", ptr, t.device) if ptr else ("name", name)
 
 
 def _flat_nodes(value: Any) -> List[Any]:

@@ -164,3 +164,31 @@ def test_buffers_are_read_when_forward_runs_not_while_tracing():
     for _ in range(2):
         assert torch.equal(gm(x), eager(x))
     assert torch.equal(module.bn.running_mean, eager.bn.running_mean)
+
+
+class _BufferAsPythonValue(nn.Module):
+    """A forward that takes a buffer's value as a Python int, which a proxy
+    of the buffer cannot give."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("steps", torch.tensor(3))
+
+    def forward(self, x):
+        y = self.a(x)
+        for _ in range(int(self.steps)):
+            y = y.relu() + self.b(x)
+        return y
+
+
+def test_a_buffer_used_as_a_python_value_traces_as_torch_fx_does():
+    # Buffers as graph attributes must not cost the models that traced
+    # before: this one did, with torch.fx's default (the buffer's value read
+    # once, while tracing), and it still does, with the same results.
+    module = _BufferAsPythonValue().eval()
+    x = torch.randn(4, 8)
+    result = torch_stage.multi_stream(module)
+    assert torch.equal(result(x), module(x))
+    assert isinstance(result, torch.fx.GraphModule)
+    assert "steps" not in [n.target for n in result.graph.nodes if n.op == "get_attr"]

@@ -71,6 +71,27 @@ class AnnotatingTracer(torch.fx.Tracer):
         self._evaluating = False
 
     def trace(self, root, concrete_args=None) -> torch.fx.Graph:
+        try:
+            return self._trace(root, concrete_args)
+        except Exception as exc:
+            buffers = root.buffers() if isinstance(root, torch.nn.Module) else ()
+            if str(exc).startswith("torch_stage.") or next(iter(buffers), None) is None:
+                raise  # a bad annotation, or nothing the retry would change
+            first = exc
+        # A forward that takes a buffer's value as a Python value
+        # (int(self.steps), a branch on it) cannot have the buffer as a
+        # proxy: trace as torch.fx does by default, where an op on a buffer
+        # alone runs once, here. If that fails too, the first failure is the
+        # one to explain.
+        self.proxy_buffer_attributes = False
+        try:
+            return self._trace(root, concrete_args)
+        except Exception:  # noqa: BLE001  (any tracing failure: the first is explained)
+            raise first from None
+        finally:
+            self.proxy_buffer_attributes = True
+
+    def _trace(self, root, concrete_args) -> torch.fx.Graph:
         state = _annotations._annotations
         saved = (state.tracing, state.pool_size, len(state.stack))
         state.tracing = True

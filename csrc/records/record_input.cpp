@@ -244,6 +244,7 @@ void RecordInput::reader_main(size_t k) {
   auto send = [&](Chunk& chunk) {
     return queue.put(chunk) == BufferStatus::kOk;
   };
+  std::exception_ptr fatal;
   try {
     for (int64_t epoch = 0; options_.epochs < 0 || epoch < options_.epochs;
          ++epoch) {
@@ -263,6 +264,7 @@ void RecordInput::reader_main(size_t k) {
           chunk = Chunk{};
           return true;
         };
+        std::exception_ptr error;
         try {
           RecordReader reader(order[j], options_.compression);
           RecordSpan record;
@@ -289,9 +291,17 @@ void RecordInput::reader_main(size_t k) {
             }
           }
         } catch (const RecordError&) {
+          // Sent after the handler ends (below), so that this thread holds
+          // no reference to the error once it is out: the last one goes
+          // with the thread that reads it. (Otherwise the handler's
+          // reference, dropped inside libstdc++, could be the last and free
+          // the error after a taker read it, an order TSan cannot see.)
+          error = std::current_exception();
+        }
+        if (error) {
           // Deliver what was read before the error, then the error.
           Chunk failed;
-          failed.error = std::current_exception();
+          failed.error = std::exchange(error, nullptr);
           if ((!chunk.records.empty() && !send_records()) || !send(failed)) {
             return;
           }
@@ -312,8 +322,11 @@ void RecordInput::reader_main(size_t k) {
     }
   } catch (...) {
     // Not a data error (e.g. out of memory): hand it on; the mixer stops.
+    fatal = std::current_exception();
+  }
+  if (fatal) {
     Chunk failed;
-    failed.error = std::current_exception();
+    failed.error = std::move(fatal);
     failed.fatal = true;
     queue.put(failed);
   }
@@ -388,7 +401,7 @@ RecordInput::Pull RecordInput::pull(
       cur.chunk = std::move(chunk);
       cur.next = 0;
       if (cur.chunk.error) {
-        *error = cur.chunk.error;
+        *error = std::move(cur.chunk.error);
         const bool fatal = cur.chunk.fatal;
         cur.chunk = Chunk{};
         turn_ = (r + 1) % readers_;
@@ -577,6 +590,7 @@ void RecordInput::mixer_main() {
     return true;
   };
 
+  std::exception_ptr fatal;
   try {
     current = fresh_batch();
     while (!stop_.load(std::memory_order_relaxed)) {
@@ -602,7 +616,7 @@ void RecordInput::mixer_main() {
         if (got == Pull::kError || got == Pull::kFatal) {
           errors_.fetch_add(1, std::memory_order_relaxed);
           Item failed;
-          failed.error = error;
+          failed.error = std::move(error);
           if (!emit(failed)) {
             return;
           }
@@ -691,8 +705,11 @@ void RecordInput::mixer_main() {
       }
     }
   } catch (...) {
+    fatal = std::current_exception(); // handed on after the handler (above)
+  }
+  if (fatal) {
     Item failed;
-    failed.error = std::current_exception();
+    failed.error = std::move(fatal);
     emit(failed);
     output_.close();
   }

@@ -205,6 +205,21 @@ def test_backward_runs_on_the_forward_streams_and_syncs_at_the_end():
     assert sanitizer.races == []
 
 
+def test_torch_jit_trace_under_the_sanitizer_is_a_clear_error():
+    # Under a dispatch mode the tracer took the convolution's output for a
+    # constant: the traced module returned this run's values for any input.
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch_stage.sanitize_streams():
+        with pytest.raises(RuntimeError, match="trace it outside the sanitizer"):
+            torch.jit.trace(module, (x,), check_trace=False)
+    traced = torch.jit.trace(module, (x,), check_trace=False)
+    with torch_stage.sanitize_streams() as sanitizer:
+        other = torch.randn(1, 3, 8, 8)
+        assert torch.equal(traced(other), module(other))
+    assert sanitizer.races == [] and sanitizer.ops_seen > 0
+
+
 def test_nesting_and_a_second_sanitizer_are_errors():
     with torch_stage.sanitize_streams() as outer:
         with pytest.raises(RuntimeError, match="already active on this thread"):

@@ -138,6 +138,38 @@ def test_the_rewritten_zoo_scripts_saves_and_loads(entry, tmp_path):
     assert len(kept) == emitted
 
 
+# Not under the sanitizer: torch.jit.trace cannot record under a dispatch
+# mode (it refuses), and a traced module of this zoo cannot run under one
+# (torch's own limit: a plain trace of in_place, without torch_stage, fails
+# under a do-nothing TorchDispatchMode in aten::equal). The stream ops the
+# trace holds are checked to be the rewritten module's, in its order, and
+# that module's plan is sanitized by the tests above.
+@pytest.mark.no_sanitizer
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+def test_the_rewritten_zoo_traces_with_torch_jit_trace_saves_and_loads(entry, tmp_path):
+    # torch.jit.trace records the stream ops too (their Any arguments have
+    # Tensor[] variants the tracer can record), so a traced module runs on
+    # the plan's streams as a scripted one does.
+    module = build(entry).eval()
+    inputs = entry.inputs(4, "cpu")
+    rewritten = torch_stage.multi_stream(module, num_streams=4)
+    if not any(n.target in _ops.STREAM_OPS for n in rewritten.graph.nodes):
+        pytest.skip("a chain: the plan needs one stream")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(rewritten, tuple(t.clone() for t in inputs), check_trace=False)
+    path = tmp_path / f"{entry.name}.pt"
+    traced.save(str(path))
+    loaded = torch.jit.load(str(path))
+    expected = run(module, inputs)
+    assert torch.equal(run(traced, inputs), expected)
+    assert torch.equal(run(loaded, inputs), expected)
+    kinds = [n.kind() for n in loaded.inlined_graph.nodes()]
+    emitted = [n.target.__name__ for n in rewritten.graph.nodes if n.target in _ops.STREAM_OPS]
+    ours = [k.split("::")[1] for k in kinds if k.startswith("torch_stage::")]
+    assert [k.removesuffix("_traced") for k in ours] == emitted
+
+
 def test_stream_ops_survive_fx_dead_code_elimination():
     gm = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4)
     before = [n.name for n in gm.graph.nodes if n.target in _ops.STREAM_OPS]

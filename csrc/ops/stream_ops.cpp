@@ -101,6 +101,45 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
       [](const Run& run, std::vector<int64_t> side_streams) {
         run->join(side_streams);
       });
+  // torch.jit.trace records an op's arguments by their schema types and
+  // cannot record an Any: traced, fork, sync and record_stream are these,
+  // which take the tensors among the values as Tensor[] (fx/_ops.py
+  // collects them; the rest of a value never mattered to the ops).
+  m.def(
+      torch::schema(
+          "fork_traced(int num_streams, int[] side_streams, int num_events, "
+          "Tensor[] probes) -> " TORCH_STAGE_RUN,
+          kEffectful),
+      [](int64_t num_streams,
+         std::vector<int64_t> side_streams,
+         int64_t num_events,
+         const c10::List<at::Tensor>& probes) -> Run {
+        return c10::make_intrusive<StreamRun>(
+            StreamRun::device_of(c10::IValue(probes)),
+            num_streams,
+            side_streams,
+            num_events);
+      });
+  m.def(
+      torch::schema(
+          "sync_traced(" TORCH_STAGE_RUN
+          " run, int record, int stream, int[] waits, Tensor[] keep) -> ()",
+          kEffectful),
+      [](const Run& run,
+         int64_t record,
+         int64_t stream,
+         std::vector<int64_t> waits,
+         const c10::List<at::Tensor>& keep) {
+        run->sync(record, stream, waits, c10::IValue(keep));
+      });
+  m.def(
+      torch::schema(
+          "record_stream_traced(" TORCH_STAGE_RUN
+          " run, Tensor[] value, int stream) -> ()",
+          kEffectful),
+      [](const Run& run, const c10::List<at::Tensor>& value, int64_t stream) {
+        run->record_stream(c10::IValue(value), stream);
+      });
   m.def("stream_pool_size(Device device) -> int", [](c10::Device device) {
     return StreamPool::size(device);
   });

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, List
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx.node import has_side_effect
 from torch.jit import _builtins
 
@@ -66,20 +67,34 @@ def _op_run(run: Any) -> Any:
     return run.script_object() if type(run) is _Run else run
 
 
+_jit_tracing = torch._C._get_tracing_state
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    """The tensors in ``value``, for the ops' ``_traced`` variants:
+    torch.jit.trace cannot record an ``Any`` argument, and the ops use only
+    the tensors of one (csrc/ops/stream_ops.cpp)."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
     # Eagerly (the C fork takes those calls itself but for keywords).
     if (
         not torch.compiler.is_compiling()
-        and torch._C._get_tracing_state() is None
+        and _jit_tracing() is None
         and not _has_torch_function(probes)
     ):
         return _C._stream_fork(num_streams, side_streams, num_events, probes)
+    if _jit_tracing() is not None:
+        return _ns.fork_traced(num_streams, side_streams, num_events, _tensors(probes))
     return _ns.fork(num_streams, side_streams, num_events, probes)
 
 
 def _sync(run: Any, record: int, stream: int, waits: List[int], keep: Any) -> None:
     if type(run) is _Run and (keep is None or not _has_torch_function(keep)):
         return run.sync(record, stream, waits, keep)
+    if _jit_tracing() is not None:
+        return _ns.sync_traced(run, record, stream, waits, _tensors(keep))
     return _ns.sync(_op_run(run), record, stream, waits, keep)
 
 
@@ -123,6 +138,8 @@ def record_stream(run: Any, value: Any, stream: int) -> None:
     (``torch.ops.torch_stage.record_stream``)."""
     if type(run) is _Run and not _subclass(value):
         return run.record_stream(value, stream)
+    if _jit_tracing() is not None:
+        return _ns.record_stream_traced(run, _tensors(value), stream)
     return _ns.record_stream(_op_run(run), value, stream)
 
 
@@ -132,7 +149,7 @@ _FUNCTIONS = (fork, set_stream, record_event, wait_event, record_stream, sync, j
 #: (which graphs traced from a rewritten module hold).
 STREAM_OPS = _FUNCTIONS + tuple(getattr(_ns, f.__name__) for f in _FUNCTIONS)
 
-for _op in STREAM_OPS:
+for _op in STREAM_OPS + (_ns.fork_traced, _ns.sync_traced, _ns.record_stream_traced):
     has_side_effect(_op)
     if isinstance(_op, torch._ops.OpOverloadPacket):
         has_side_effect(_op.default)

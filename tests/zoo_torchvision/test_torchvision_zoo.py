@@ -124,8 +124,13 @@ def test_a_training_step_is_race_free_and_equals_the_same_graph_on_one_stream(na
     assert torch.equal(got, expected)
     torch.manual_seed(2)
     assert torch.equal(got, copy.deepcopy(model).train()(x))
-    for (k, a), (_, b) in zip(traced.state_dict().items(), ms.state_dict().items()):
-        assert torch.equal(a, b), k  # BatchNorm running stats too
+    # BatchNorm running stats too. torch.fx's default trace holds a buffer
+    # that forward reads alone (maxvit's relative position index) as a
+    # _tensor_constant; torch_stage's trace reads the buffer itself.
+    ref, ours = traced.state_dict(), ms.state_dict()
+    assert all(k.startswith("_tensor_constant") for k in ref.keys() - ours.keys())
+    for k in ref.keys() & ours.keys():
+        assert torch.equal(ref[k], ours[k]), k
 
 
 # The models whose forward reads self.training as a value (torchvision's

@@ -1,5 +1,6 @@
 """Tracing with stream annotations (torch_stage/fx/annotate.py)."""
 
+import copy
 import warnings
 
 import pytest
@@ -192,3 +193,88 @@ def test_a_buffer_used_as_a_python_value_traces_as_torch_fx_does():
     assert torch.equal(result(x), module(x))
     assert isinstance(result, torch.fx.GraphModule)
     assert "steps" not in [n.target for n in result.graph.nodes if n.op == "get_attr"]
+
+
+class _BufferState(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        if self.how == "iadd":
+            self.count += 1
+        elif self.how == "reassign":
+            self.count = self.count + 1
+        elif self.how == "ema":
+            self.ema = 0.9 * self.ema + 0.1 * self.a(x).detach().mean(0)
+        return self.a(x) + self.b(x) * self.count + self.ema
+
+
+@pytest.mark.parametrize("how", ["iadd", "reassign", "ema"])
+def test_a_forward_that_assigns_a_buffer_never_changes_the_input_module(how):
+    # With buffers traced as proxies, `self.count = self.count + 1` stored
+    # the tracer's proxy in the user's own module, which then returned
+    # proxies, as did the result.
+    module = _BufferState(how)
+    eager, reference = copy.deepcopy(module), copy.deepcopy(module)
+    x = torch.randn(2, 4)
+    try:
+        result = torch_stage.multi_stream(module)
+    except torch_stage.MultiStreamTraceError as exc:
+        # Refused with what to do instead, never half traced.
+        assert "assigns buffer" in str(exc) and "in place" in str(exc), str(exc)
+        result = None
+    assert all(type(b) is torch.Tensor for b in module.buffers())
+    assert torch.equal(module.count, torch.zeros(())) and torch.equal(module.ema, torch.zeros(4))
+    if result is not None:
+        for _ in range(3):
+            assert torch.equal(result(x), eager(x))
+        assert torch.equal(result.count, eager.count) and torch.equal(result.ema, eager.ema)
+    for _ in range(3):
+        assert torch.equal(module(x), reference(x))
+
+
+@pytest.mark.parametrize("how", ["iadd", "reassign", "ema"])
+def test_a_buffer_assignment_is_captured_by_torch_export_with_example_inputs(how):
+    # torch.fx cannot hold `self.count += 1` (a proxy has no in-place add;
+    # Python assigns the sum), torch.export can: the fallback, given inputs.
+    module = _BufferState(how)
+    eager = copy.deepcopy(module)
+    x = torch.randn(2, 4)
+    result = torch_stage.multi_stream(module, example_inputs=(x,))
+    assert torch.equal(module.count, torch.zeros(()))  # planning changed nothing
+    for _ in range(3):
+        assert torch.equal(result(x), eager(x))
+    got = dict(result.named_buffers())
+    assert torch.equal(got["count"], eager.count) and torch.equal(got["ema"], eager.ema)
+
+
+class _StepsRead(nn.Module):
+    """Reads a buffer as a Python number and then advances it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("steps", torch.ones(()))
+
+    def forward(self, x):
+        y = self.a(x) + self.b(x) * int(self.steps)
+        self.steps.add_(1)
+        return y
+
+
+def test_a_buffer_write_that_tracing_would_run_instead_of_record_is_refused():
+    # Traced as torch.fx does by default (int() of the buffer needs its
+    # value), the add_ ran once on the user's buffer while tracing and was
+    # missing from the graph: every later call used steps == 1.
+    module = _StepsRead()
+    with pytest.raises(torch_stage.MultiStreamTraceError, match="buffer 'steps'"):
+        torch_stage.multi_stream(module)
+    assert torch.equal(module.steps, torch.ones(()))
+    # torch.export cannot take int() of a tensor either: compile is named.
+    with pytest.raises(torch_stage.MultiStreamTraceError, match="torch.compile"):
+        torch_stage.multi_stream(module, example_inputs=(torch.randn(2, 4),))
+    assert torch.equal(module.steps, torch.ones(()))

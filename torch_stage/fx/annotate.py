@@ -27,6 +27,11 @@ __all__ = ["AnnotatingTracer", "trace"]
 META_KEY = "torch_stage"
 
 
+class BufferAssignmentError(torch.fx.proxy.TraceError):
+    """forward gives a buffer a new tensor while traced: a graph holds no
+    attribute assignment (torch.export, the fallback, does)."""
+
+
 class _ConcreteProxy(torch.fx.Proxy):
     """A proxy whose ``len()`` the tracer can compute from example inputs,
     and which records item assignment (``x[i] = v``, an in-place write the
@@ -73,6 +78,8 @@ class AnnotatingTracer(torch.fx.Tracer):
     def trace(self, root, concrete_args=None) -> torch.fx.Graph:
         try:
             return self._trace(root, concrete_args)
+        except BufferAssignmentError:
+            raise  # tracing without proxies would lose the assignment silently
         except Exception as exc:
             buffers = root.buffers() if isinstance(root, torch.nn.Module) else ()
             if str(exc).startswith("torch_stage.") or next(iter(buffers), None) is None:
@@ -83,13 +90,35 @@ class AnnotatingTracer(torch.fx.Tracer):
         # proxy: trace as torch.fx does by default, where an op on a buffer
         # alone runs once, here. If that fails too, the first failure is the
         # one to explain.
+        # Without proxies an in-place write to a buffer runs on the user's
+        # buffer, here, and is missing from the graph: each buffer's value
+        # is kept to put back, and such a write is refused.
+        kept = [
+            (name, b, b._version, b.detach().clone())
+            for name, b in root.named_buffers()
+            if type(b) is torch.Tensor
+        ]
         self.proxy_buffer_attributes = False
         try:
-            return self._trace(root, concrete_args)
+            graph = self._trace(root, concrete_args)
         except Exception:  # noqa: BLE001  (any tracing failure: the first is explained)
-            raise first from None
+            graph = None
         finally:
             self.proxy_buffer_attributes = True
+            written = [name for name, b, version, _ in kept if b._version != version]
+            with torch.no_grad():
+                for _, b, version, value in kept:
+                    if b._version != version:
+                        b.copy_(value)
+        if written:
+            raise BufferAssignmentError(
+                f"{type(root).__name__}.forward writes buffer '{written[0]}' and reads a "
+                f"buffer as a Python value ({type(first).__name__}: {first}); traced without "
+                "that value the write would run once, while tracing, instead of in the graph"
+            ) from first
+        if graph is None:
+            raise first
+        return graph
 
     def _trace(self, root, concrete_args) -> torch.fx.Graph:
         state = _annotations._annotations
@@ -101,9 +130,26 @@ class AnnotatingTracer(torch.fx.Tracer):
         self._values = {}
         self._inputs = None
         self.specialised = []
+        assign = torch.nn.Module.__setattr__
+
+        def guarded(module: torch.nn.Module, name: str, value: Any) -> None:
+            if isinstance(value, torch.fx.Proxy) and name in module.__dict__.get("_buffers", {}):
+                raise BufferAssignmentError(
+                    f"{type(module).__name__}.forward assigns buffer '{name}' a new tensor "
+                    f"(self.{name} = ... or self.{name} += ...), which a torch.fx graph "
+                    "cannot hold; write it in place instead "
+                    f"(self.{name}.add_(...), self.{name}.copy_(...))"
+                )
+            assign(module, name, value)
+
+        # Patched for the trace only, as torch.fx patches Module.__call__:
+        # left alone, the assignment stored the tracer's proxy in the
+        # user's own module, which then returned proxies.
+        torch.nn.Module.__setattr__ = guarded
         try:
             graph = super().trace(root, concrete_args)
         finally:
+            torch.nn.Module.__setattr__ = assign
             state.tracing, state.pool_size = saved[0], saved[1]
             del state.stack[saved[2] :]
             self._values = {}

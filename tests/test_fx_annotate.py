@@ -278,3 +278,13 @@ def test_a_buffer_write_that_tracing_would_run_instead_of_record_is_refused():
     with pytest.raises(torch_stage.MultiStreamTraceError, match="torch.compile"):
         torch_stage.multi_stream(module, example_inputs=(torch.randn(2, 4),))
     assert torch.equal(module.steps, torch.ones(()))
+
+
+def test_a_model_made_in_inference_mode_traces_with_its_buffers():
+    # Inference tensors have no version counter to watch.
+    with torch.inference_mode():
+        module = _BufferAsPythonValue().eval()
+    x = torch.randn(4, 8)
+    result = torch_stage.multi_stream(module)
+    with torch.inference_mode():
+        assert torch.equal(result(x), module(x))

@@ -27,6 +27,15 @@ __all__ = ["AnnotatingTracer", "trace"]
 META_KEY = "torch_stage"
 
 
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s version counter; None for an inference tensor (it has none,
+    and no write to one outside inference mode can happen)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class BufferAssignmentError(torch.fx.proxy.TraceError):
     """forward gives a buffer a new tensor while traced: a graph holds no
     attribute assignment (torch.export, the fallback, does)."""
@@ -88,15 +97,14 @@ class AnnotatingTracer(torch.fx.Tracer):
         # A forward that takes a buffer's value as a Python value
         # (int(self.steps), a branch on it) cannot have the buffer as a
         # proxy: trace as torch.fx does by default, where an op on a buffer
-        # alone runs once, here. If that fails too, the first failure is the
-        # one to explain.
-        # Without proxies an in-place write to a buffer runs on the user's
-        # buffer, here, and is missing from the graph: each buffer's value
-        # is kept to put back, and such a write is refused.
+        # alone runs once, here (if that fails too, the first failure is the
+        # one to explain). An in-place write to a buffer would then run on
+        # the user's buffer and be missing from the graph: each buffer's
+        # value is kept to put back, and such a write is refused.
         kept = [
-            (name, b, b._version, b.detach().clone())
+            (name, b, _version(b), b.detach().clone())
             for name, b in root.named_buffers()
-            if type(b) is torch.Tensor
+            if type(b) is torch.Tensor and _version(b) is not None
         ]
         self.proxy_buffer_attributes = False
         try:
@@ -105,16 +113,17 @@ class AnnotatingTracer(torch.fx.Tracer):
             graph = None
         finally:
             self.proxy_buffer_attributes = True
-            written = [name for name, b, version, _ in kept if b._version != version]
+            written = [name for name, b, version, _ in kept if _version(b) != version]
             with torch.no_grad():
                 for _, b, version, value in kept:
-                    if b._version != version:
+                    if _version(b) != version:
                         b.copy_(value)
         if written:
             raise BufferAssignmentError(
                 f"{type(root).__name__}.forward writes buffer '{written[0]}' and reads a "
-                f"buffer as a Python value ({type(first).__name__}: {first}); traced without "
-                "that value the write would run once, while tracing, instead of in the graph"
+                f"buffer as a Python value ({type(first).__name__}: {first}); traced with "
+                "buffers as constants, as that needs, the write would run once, while "
+                "tracing, instead of in the graph"
             ) from first
         if graph is None:
             raise first

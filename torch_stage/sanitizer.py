@@ -527,14 +527,16 @@ class StreamSanitizer(TorchDispatchMode):
             # Stream ops reach the model through the observer.
             return func(*args, **kwargs)
         if torch._C._get_tracing_state() is not None:
-            # torch.jit.trace records this op: under a dispatch mode its
-            # output reaches the tracer as a constant (the traced module
-            # would return the value of this one run), silently.
+            # torch.jit.trace records this op. Traced under this mode, a
+            # convolution's output reached the tracer as a constant, and
+            # the traced module returned this one run's values, silently
+            # (reading the output here is not the only cause: passing the
+            # op straight through gave the same). Refused instead.
             raise RuntimeError(
                 "torch_stage.sanitize_streams: torch.jit.trace cannot record a module under "
-                "the stream sanitizer (a dispatch mode: the trace would hold this run's "
-                f"values as constants, first at {func}); trace it outside the sanitizer, "
-                "then run the traced module under it"
+                "the stream sanitizer (the trace would hold this run's values as constants; "
+                f"at {func}); trace it outside the sanitizer, then run the traced module "
+                "under it"
             )
         with self._lock:
             self._raise_pending()

@@ -25,7 +25,7 @@ reader and before every later reader of the tensors it may alias. What may
 alias what comes from real storage when example inputs are given, else from
 the ops (fx/effects.py: views, and any op that may return its input itself,
 ``contiguous`` or eval-mode dropout, by its schema or a run on meta
-stand-ins). Parameters and buffers are no nodes: ``get_attr`` nodes reach
+stand-ins). Parameters and buffers are not nodes: ``get_attr`` nodes reach
 them, and a ``call_module`` node reads its module's (and writes them, if it
 writes its own state); both are tied to the tensors' storage, so a write
 through ``self.a.weight.data`` and the call ``self.a(x)``, or two modules
@@ -377,7 +377,7 @@ class GraphAnalysis:
             for m, targets in self.mutated.items()
             if self.kind[m] == DEVICE
         ]
-        # Module calls touch their parameters and buffers, which are no
+        # Module calls touch their parameters and buffers, which are not
         # nodes: through their storage's family (see _module_state).
         state = self._module_state({f for _, fs in writes for f in fs})
         calls: Dict[torch.fx.Node, Set[int]] = {}

@@ -30,6 +30,17 @@ constexpr auto kEffectful = c10::AliasAnalysisKind::CONSERVATIVE;
 #define TORCH_STAGE_RUN "__torch__.torch.classes.torch_stage.StreamRun"
 #define TORCH_STAGE_SCOPE "__torch__.torch.classes.torch_stage.StreamScope"
 
+// fork and fork_traced: the run, on the device of the first tensor among
+// `probes`.
+Run fork_run(
+    int64_t num_streams,
+    std::vector<int64_t> side_streams,
+    int64_t num_events,
+    const c10::IValue& probes) {
+  return c10::make_intrusive<StreamRun>(
+      StreamRun::device_of(probes), num_streams, side_streams, num_events);
+}
+
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
@@ -45,16 +56,7 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
           "fork(int num_streams, int[] side_streams, int num_events, "
           "Any probes) -> " TORCH_STAGE_RUN,
           kEffectful),
-      [](int64_t num_streams,
-         std::vector<int64_t> side_streams,
-         int64_t num_events,
-         const c10::IValue& probes) -> Run {
-        return c10::make_intrusive<StreamRun>(
-            StreamRun::device_of(probes),
-            num_streams,
-            side_streams,
-            num_events);
-      });
+      &fork_run);
   m.def(
       torch::schema(
           "set_stream(" TORCH_STAGE_RUN " run, int stream) -> ()", kEffectful),
@@ -113,12 +115,12 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
       [](int64_t num_streams,
          std::vector<int64_t> side_streams,
          int64_t num_events,
-         const c10::List<at::Tensor>& probes) -> Run {
-        return c10::make_intrusive<StreamRun>(
-            StreamRun::device_of(c10::IValue(probes)),
+         const c10::List<at::Tensor>& probes) {
+        return fork_run(
             num_streams,
-            side_streams,
-            num_events);
+            std::move(side_streams),
+            num_events,
+            c10::IValue(probes));
       });
   m.def(
       torch::schema(

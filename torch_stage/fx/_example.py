@@ -15,7 +15,16 @@ from typing import Any, Iterator, List
 
 import torch
 
-__all__ = ["clone_inputs", "isolated", "tensors_in"]
+__all__ = ["attribute", "clone_inputs", "isolated", "tensors_in"]
+
+
+def attribute(root: torch.nn.Module, target: str) -> Any:
+    """The attribute of ``root`` a ``get_attr`` node's ``target`` names
+    (``"a.weight"``); AttributeError where there is none."""
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def tensors_in(value: Any) -> List[torch.Tensor]:

@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Any, List
 
 import torch
-import torch.utils._pytree as pytree
 from torch.fx.node import has_side_effect
 from torch.jit import _builtins
 
 from torch_stage import _C
+from torch_stage.fx._example import tensors_in
 
 __all__ = [
     "STREAM_OPS",
@@ -67,14 +67,10 @@ def _op_run(run: Any) -> Any:
     return run.script_object() if type(run) is _Run else run
 
 
+# Traced, fork, sync and record_stream call the ops' _traced variants with
+# the tensors among their Any arguments: torch.jit.trace cannot record an
+# Any, and the ops use only the tensors of one (csrc/ops/stream_ops.cpp).
 _jit_tracing = torch._C._get_tracing_state
-
-
-def _tensors(value: Any) -> List[torch.Tensor]:
-    """The tensors in ``value``, for the ops' ``_traced`` variants:
-    torch.jit.trace cannot record an ``Any`` argument, and the ops use only
-    the tensors of one (csrc/ops/stream_ops.cpp)."""
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _fork(num_streams: int, side_streams: List[int], num_events: int, probes: Any) -> Any:
@@ -86,7 +82,7 @@ def _fork(num_streams: int, side_streams: List[int], num_events: int, probes: An
     ):
         return _C._stream_fork(num_streams, side_streams, num_events, probes)
     if _jit_tracing() is not None:
-        return _ns.fork_traced(num_streams, side_streams, num_events, _tensors(probes))
+        return _ns.fork_traced(num_streams, side_streams, num_events, tensors_in(probes))
     return _ns.fork(num_streams, side_streams, num_events, probes)
 
 
@@ -94,7 +90,7 @@ def _sync(run: Any, record: int, stream: int, waits: List[int], keep: Any) -> No
     if type(run) is _Run and (keep is None or not _has_torch_function(keep)):
         return run.sync(record, stream, waits, keep)
     if _jit_tracing() is not None:
-        return _ns.sync_traced(run, record, stream, waits, _tensors(keep))
+        return _ns.sync_traced(run, record, stream, waits, tensors_in(keep))
     return _ns.sync(_op_run(run), record, stream, waits, keep)
 
 
@@ -139,7 +135,7 @@ def record_stream(run: Any, value: Any, stream: int) -> None:
     if type(run) is _Run and not _subclass(value):
         return run.record_stream(value, stream)
     if _jit_tracing() is not None:
-        return _ns.record_stream_traced(run, _tensors(value), stream)
+        return _ns.record_stream_traced(run, tensors_in(value), stream)
     return _ns.record_stream(_op_run(run), value, stream)
 
 

@@ -48,7 +48,7 @@ import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from torch_stage.fx import _ops
-from torch_stage.fx._example import clone_inputs, isolated, tensors_in
+from torch_stage.fx._example import attribute, clone_inputs, isolated, tensors_in
 from torch_stage.fx.annotate import META_KEY
 from torch_stage.fx.classify import (
     ALIAS,
@@ -502,10 +502,8 @@ def _attribute_storage(gm: torch.nn.Module, target: str) -> Any:
     """What a get_attr node reads, for telling when two read the same
     memory: a tensor's storage (see :func:`_storage_key`), else (an
     attribute that is no tensor) the target's name."""
-    value: Any = gm
     try:
-        for part in target.split("."):
-            value = getattr(value, part)
+        value = attribute(gm, target)
     except AttributeError:
         return ("name", target)
     if not isinstance(value, torch.Tensor):

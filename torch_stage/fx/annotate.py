@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from torch_stage import _annotations
-from torch_stage.fx._example import clone_inputs, isolated
+from torch_stage.fx._example import attribute, clone_inputs, isolated
 
 __all__ = ["AnnotatingTracer", "trace"]
 
@@ -264,10 +264,7 @@ class AnnotatingTracer(torch.fx.Tracer):
         args = torch.fx.node.map_arg(node.args, self._values.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, self._values.__getitem__)
         if node.op == "get_attr":
-            value = root
-            for part in node.target.split("."):
-                value = getattr(value, part)
-            return value
+            return attribute(root, node.target)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":

@@ -45,6 +45,8 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_stage.fx._example import attribute
+
 __all__ = [
     "aliased_args",
     "probe_cache",
@@ -375,10 +377,8 @@ def _attribute_stand_in(root: Optional[torch.nn.Module], target: str) -> Optiona
     plain tensor or parameter (a subclass, a script object, a module)."""
     if root is None:
         return None
-    value: Any = root
     try:
-        for part in target.split("."):
-            value = getattr(value, part)
+        value = attribute(root, target)
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
             return None
         return torch.empty_strided(

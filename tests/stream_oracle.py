@@ -4,6 +4,7 @@ dependency between two streams unordered. It replays the graph's stream
 ops as vector clocks and checks every node's inputs against them."""
 
 import copy
+import random
 
 import torch
 
@@ -115,3 +116,23 @@ def data_conflict_expected(gm, removed):
                     return True
         made[n] = (stream, pos[stream])
     return False
+
+
+def _random_delay() -> None:
+    torch.cuda._sleep(random.randint(0, 200_000))
+
+
+def with_side_stream_delays(gm, all_streams=False):
+    """``gm`` (a rewritten graph, changed in place) with a random GPU sleep
+    before every node placed on a side stream (after its stream switch and
+    waits), or on any stream: a missing wait then shows on a GPU as wrong
+    values, not only now and then. A write that must wait for a read on
+    the caller's stream needs the delays there too. Seeded by
+    :mod:`random`."""
+    side = {name for name, s in gm.stream_plan.assignment.items() if all_streams or s != 0}
+    for node in list(gm.graph.nodes):
+        if node.name in side:
+            with gm.graph.inserting_before(node):
+                gm.graph.call_function(_random_delay, ())
+    gm.recompile()
+    return gm

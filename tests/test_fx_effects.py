@@ -4,6 +4,7 @@ writes checked by the stream sanitizer, not by the planner's own analysis."""
 
 import copy
 import operator
+import random
 
 import pytest
 import torch
@@ -518,6 +519,39 @@ def test_a_write_to_a_submodules_state_is_ordered_with_the_module_call(write, wr
         write_first,
         torch.randn(4, 8),
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("write_first", [True, False], ids=["write-then-call", "call-then-write"])
+@pytest.mark.parametrize("write", list(STATE_WRITES), ids=str)
+def test_a_write_to_a_submodules_state_is_ordered_on_real_streams(write, write_first):
+    # The same plans on a GPU, with random sleeps before every node on
+    # either stream: a write not ordered with the module call reads or
+    # clobbers the weights too early, which changes the values.
+    from conftest import caller_stream
+    from stream_oracle import with_side_stream_delays
+
+    fn, writer, reader = STATE_WRITES[write]
+    random.seed(0)
+    torch.manual_seed(0)
+    eager = _WritesSubmoduleState(fn, write_first, stream=1).cuda().eval()
+    torch.manual_seed(0)
+    model = _WritesSubmoduleState(fn, write_first, stream=1).cuda().eval()
+    planned = torch_stage.multi_stream(model, num_streams=2, strategy="user")
+    assert planned.stream_plan.assignment[writer] != planned.stream_plan.assignment[reader]
+    planned = with_side_stream_delays(planned, all_streams=True)
+    x = torch.randn(64, 8, device="cuda")
+    caller = caller_stream()
+    with torch.no_grad(), torch.cuda.stream(caller):
+        for i in range(20):
+            expected = eager(x)
+            got = planned(x)
+            assert torch.cuda.current_stream() == caller
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"call {i}")
+            for (name, value), (_, want) in zip(
+                model.state_dict().items(), eager.state_dict().items()
+            ):
+                torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # Planning with example inputs runs forward once, and puts buffers back but

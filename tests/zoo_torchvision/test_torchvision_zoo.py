@@ -284,8 +284,12 @@ def test_on_cuda_eval_and_a_training_step_on_four_streams_match_one_stream(name,
     torch.cuda.synchronize()
     assert races == []
     torch.testing.assert_close(got, expected, **_cuda_tolerances())
-    for (k, a), (_, b) in zip(traced.state_dict().items(), ms.state_dict().items()):
-        torch.testing.assert_close(b, a, **_cuda_tolerances(), msg=k)
+    # By name, as on CPU: fx's trace holds maxvit's index buffer as a
+    # _tensor_constant, torch_stage's reads the buffer itself.
+    ref, ours = traced.state_dict(), ms.state_dict()
+    assert all(k.startswith("_tensor_constant") for k in ref.keys() - ours.keys())
+    for k in ref.keys() & ours.keys():
+        torch.testing.assert_close(ours[k], ref[k], **_cuda_tolerances(), msg=k)
 
 
 # Run in a process of its own: CSAN is one process-wide dispatch mode whose

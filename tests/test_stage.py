@@ -1242,3 +1242,17 @@ def test_autotune_makes_at_most_eight_threads(monkeypatch):
         assert list(stage) == list(range(5))
         text = stage.describe()
     assert "producer 7:" in text and "producer 8:" not in text, text
+
+
+def test_integers_from_numpy_are_ints():
+    # Configs often hold numpy integers (np.arange, a pandas column, a
+    # sweep); Python's own int checks take any integral type, and so does
+    # the plain DataLoader's num_workers.
+    np = pytest.importorskip("numpy")
+    counts = dict(num_threads=np.int64(2), capacity=np.int32(3), timeout_millis=np.int64(5000))
+    with torch_stage.staged(list(range(10)), **counts) as stage:
+        assert sorted(stage) == list(range(10))
+    with pytest.raises(TypeError, match=r"capacity must be an int, got bool"):
+        torch_stage.staged(list(range(3)), capacity=np.bool_(True))
+    area = torch_stage.StagingArea(np.int64(2))
+    assert area.capacity() == 2

@@ -1,5 +1,8 @@
 """Argument checks shared by the public constructors."""
 
+import numbers
+import operator
+
 #: The largest int the C++ side takes (int64_t): a larger Python int would
 #: fail to convert there with an error that names neither it nor its argument.
 INT64_MAX = 2**63 - 1
@@ -24,8 +27,11 @@ def check_int(name: str, value, minimum: int, rule: str, maximum: int = INT64_MA
     """``value`` as an int in ``[minimum, maximum]``; TypeError or ValueError
     naming the argument, the value and ``rule`` otherwise (bools are not ints
     here). ``maximum`` defaults to the C++ side's int64 range."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Any integral type (numpy's too, as Python's own int checks take it);
+    # not bools, which are ints to Python but never a count or a size.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    value = operator.index(value)
     if value < minimum:
         raise ValueError(f"{name} must be {rule}, got {value}")
     if value > maximum:

@@ -200,6 +200,8 @@ def test_verify_is_on_in_debug_mode(monkeypatch):
         ),
         (dict(cost_model=3), TypeError, "cost_model must be callable"),
         (dict(example_inputs=3), TypeError, "example_inputs must be a tuple"),
+        (dict(example_kwargs=[3]), TypeError, "example_kwargs must be a dict of forward's"),
+        (dict(example_kwargs={1: 3}), TypeError, "keys must be argument names, got 1"),
     ],
 )
 def test_bad_arguments_are_rejected_before_anything_runs(kwargs, error, message):
@@ -222,6 +224,69 @@ def test_arguments_with_non_tensor_defaults_are_not_probed():
     assert [p.name for p in fork.args[3]] == ["x", "y"]
     x = torch.ones(2)
     assert torch.equal(gm(x, x), x.exp() + x.sin())
+
+
+class _Keywords(nn.Module):
+    """Two towers; forward takes optional keyword inputs whose values decide
+    what it does (symbolic tracing follows them with example inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, scale=None, bias=None):
+        y = self.a(x)
+        if scale is not None:
+            y = y * scale
+        z = self.b(x)
+        if bias is not None:
+            z = z + bias
+        return y.relu() + z.tanh()
+
+
+def test_example_kwargs_are_traced_by_name_with_defaults_between():
+    model = _Keywords()
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    gm = torch_stage.multi_stream(
+        model, num_streams=2, example_inputs=(x,), example_kwargs={"bias": bias}
+    )
+    # Traced with scale None (its default) and bias given: the plan has the
+    # bias branch and not the scale one; the shapes came from the examples.
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert any("add" in t for t in targets) and not any("mul" in t for t in targets)
+    assert gm.stream_plan.strategy == "critical_path"
+    assert gm.stream_plan.streams_used == [0, 1]
+    assert torch.equal(gm(x, bias=bias), model(x, bias=bias))
+    # Only keywords, no positional examples.
+    gm = torch_stage.multi_stream(model, num_streams=2, example_kwargs={"x": x, "bias": bias})
+    assert torch.equal(gm(x, bias=bias), model(x, bias=bias))
+
+
+def test_example_kwargs_that_do_not_fit_forward_say_what_forward_takes():
+    with pytest.raises(TypeError, match=r"_Keywords.forward\(x, scale=None, bias=None\): "):
+        torch_stage.multi_stream(_Keywords(), example_kwargs={"mask": torch.ones(2)})
+    with pytest.raises(TypeError, match="multiple values for argument 'x'"):
+        torch_stage.multi_stream(
+            _Keywords(), example_inputs=(torch.ones(2, 8),), example_kwargs={"x": torch.ones(2)}
+        )
+
+
+def test_a_keyword_that_only_var_keywords_takes_is_captured_by_export():
+    class Extra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, **extra):
+            return self.a(x).relu() + self.b(extra["y"]).tanh()
+
+    model = Extra()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = torch_stage.multi_stream(
+        model, num_streams=2, example_inputs=(x,), example_kwargs={"y": y}
+    )
+    assert gm.stream_plan.streams_used == [0, 1]
+    assert torch.equal(gm(x, y=y), model(x, y=y))
 
 
 class _FailingBranch(torch.nn.Module):
@@ -414,3 +479,20 @@ def test_a_write_to_a_submodules_weight_waits_for_the_module_call():
     x = torch.randn(4, 8)
     assert torch.equal(gm(x), eager(x))
     assert torch.equal(gm.a.weight, eager.a.weight)
+
+
+def test_an_argument_traced_as_none_must_stay_none_and_the_plan_scripts():
+    model = _Keywords()
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    gm = torch_stage.multi_stream(
+        model, num_streams=2, example_inputs=(x,), example_kwargs={"bias": bias}
+    )
+    # scale was None in the examples: the graph has no scale branch, so a
+    # scale given later is refused rather than ignored.
+    with pytest.raises(AssertionError, match="scale has been specialized to have value None"):
+        gm(x, scale=torch.ones(8), bias=bias)
+    scripted = torch.jit.script(gm)
+    assert torch.equal(scripted(x, bias=bias), model(x, bias=bias))
+    assert torch.equal(scripted(x, None, bias), model(x, bias=bias))
+    with pytest.raises(torch.jit.Error, match="scale has been specialized"):
+        scripted(x, torch.ones(8), bias)

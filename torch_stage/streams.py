@@ -20,7 +20,7 @@ torch_stage.stream(i):`` runs the block on pool stream ``i``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -53,6 +53,7 @@ def multi_stream(
     cost_model: Optional[Callable[[torch.fx.Node], float]] = None,
     cuda_graphs: bool = False,
     warmup: int = 3,
+    example_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> torch.nn.Module:
     """Rewrite ``module`` to run its independent parts on several streams.
 
@@ -100,6 +101,12 @@ def multi_stream(
             tracing (the result assumes the same branches), and the default
             cost model uses their shapes (FLOPs and bytes per op). The module
             runs once on copies of them (random state and buffers restored).
+        example_kwargs: keyword inputs for the same call, by forward's
+            argument names (``{"attention_mask": mask}``), with or without
+            ``example_inputs``; what is said of those holds for these. The
+            result takes them by keyword as ``module`` does. A model that
+            symbolic tracing cannot follow is captured by ``torch.export``
+            with both.
         cost_model: ``cost_model(node) -> float``: the cost of a
             ``torch.fx.Node`` (``node.meta["tensor_meta"]`` holds shapes when
             ``example_inputs`` are given); finite and ``>= 0``.
@@ -133,5 +140,6 @@ def multi_stream(
         cost_model=cost_model,
         cuda_graphs=cuda_graphs,
         warmup=warmup,
+        example_kwargs=example_kwargs,
     )
     return stream_pass(module)

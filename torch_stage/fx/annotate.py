@@ -12,6 +12,7 @@ the branch the example took, and a warning says so.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -51,6 +52,36 @@ class _ConcreteProxy(torch.fx.Proxy):
 
     def __setitem__(self, key, value) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+def check_none(value: Optional[torch.Tensor], message: str) -> None:
+    """torch.fx's check that an argument traced as None is None at run time
+    (``_assert_is_none``), in a form TorchScript compiles (fx's annotates
+    the value as ``object``, which TorchScript has no type for)."""
+    if value is not None:
+        raise AssertionError(message)
+
+
+def _keep_none_inputs(graph: torch.fx.Graph, names) -> None:
+    """Mend the graph torch.fx made for the concrete None arguments
+    ``names``: it calls the placeholder of ``scale`` ``scale_1`` (the code
+    would take ``scale_1`` by keyword) and checks it with a function
+    TorchScript cannot compile."""
+    fx_check = getattr(torch.fx._symbolic_trace, "_assert_is_none", None)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is fx_check:
+            node.target = check_none
+    for name in names:
+        for node in graph.nodes:
+            target = node.target
+            if node.op == "placeholder" and (
+                target == name
+                or (target.startswith(name + "_") and target[len(name) + 1 :].isdigit())
+            ):
+                node.target = name
+                if node.type is None:
+                    node.type = Optional[torch.Tensor]
+                break
 
 
 class AnnotatingTracer(torch.fx.Tracer):
@@ -155,6 +186,9 @@ class AnnotatingTracer(torch.fx.Tracer):
         # left alone, the assignment stored the tracer's proxy in the
         # user's own module, which then returned proxies.
         torch.nn.Module.__setattr__ = guarded
+        none_inputs = None
+        if concrete_args is None:
+            concrete_args = none_inputs = self._none_inputs(root)
         try:
             graph = super().trace(root, concrete_args)
         finally:
@@ -163,6 +197,8 @@ class AnnotatingTracer(torch.fx.Tracer):
             del state.stack[saved[2] :]
             self._values = {}
             self._inputs = None
+        if none_inputs:
+            _keep_none_inputs(graph, none_inputs)
         if self.specialised:
             warnings.warn(
                 "torch_stage: control flow on traced values was decided from "
@@ -171,6 +207,28 @@ class AnnotatingTracer(torch.fx.Tracer):
                 stacklevel=2,
             )
         return graph
+
+    def _none_inputs(self, root) -> Optional[Dict[str, None]]:
+        """forward's arguments whose example value is None (given, or the
+        default of one not given), as ``concrete_args``: a branch on ``mask
+        is None`` is decided by the example, as a branch on a traced value
+        is. (A proxy is never None, so it would otherwise take the branch
+        for a tensor, which the example then fails.) torch.fx keeps the
+        placeholder and checks at run time that the value is None."""
+        if self.example_inputs is None:
+            return None
+        forward = root.forward if isinstance(root, torch.nn.Module) else root
+        found = {}
+        parameters = inspect.signature(forward).parameters.values()
+        for position, p in enumerate(parameters):
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                break
+            if position < len(self.example_inputs):
+                if self.example_inputs[position] is None:
+                    found[p.name] = None
+            elif p.default is None:
+                found[p.name] = None
+        return found or None
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)

@@ -27,10 +27,11 @@ stream is returned unchanged (no stream ops at all).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx
@@ -81,6 +82,7 @@ class MultiStreamPass:
         verify: Optional[bool] = None,
         cuda_graphs: bool = False,
         warmup: int = 3,
+        example_kwargs: Optional[Mapping[str, Any]] = None,
     ):
         self.num_streams = _check_num_streams(num_streams)
         self.strategy = _check_strategy(strategy)
@@ -103,7 +105,20 @@ class MultiStreamPass:
                     f"arguments, got {type(example_inputs).__name__}"
                 )
             example_inputs = tuple(example_inputs)
+        if example_kwargs is not None:
+            if not isinstance(example_kwargs, Mapping):
+                raise TypeError(
+                    "example_kwargs must be a dict of forward's keyword arguments, "
+                    f"got {type(example_kwargs).__name__}"
+                )
+            bad = [k for k in example_kwargs if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"example_kwargs keys must be argument names, got {bad[0]!r}")
+            example_kwargs = dict(example_kwargs) or None
+            if example_kwargs is not None and example_inputs is None:
+                example_inputs = ()
         self.example_inputs = example_inputs
+        self.example_kwargs = example_kwargs
         if verify is None:
             verify = os.environ.get(VERIFY_ENV, "0") == "1"
         self.verify = bool(verify)
@@ -113,6 +128,8 @@ class MultiStreamPass:
             return self.call(module)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"multi_stream needs a torch.nn.Module, got {type(module).__name__}")
+        if self.example_kwargs:
+            _bind(module, self.example_inputs, self.example_kwargs)  # fails here if they do not fit
         traced = self.trace(module)
         result = self.call(traced)
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
@@ -121,8 +138,18 @@ class MultiStreamPass:
 
     def trace(self, module: torch.nn.Module) -> torch.fx.GraphModule:
         """Trace ``module`` keeping stream annotations, or explain why not."""
-        tracer = AnnotatingTracer(self.num_streams, self.example_inputs)
         name = type(module).__name__
+        inputs = self._inputs_by_position(module)
+        if inputs is None and self.example_kwargs:
+            return self._export(
+                module,
+                name,
+                TypeError(
+                    "symbolic tracing takes forward's arguments by position, and "
+                    f"example_kwargs {sorted(self.example_kwargs)} has one that has none"
+                ),
+            )
+        tracer = AnnotatingTracer(self.num_streams, inputs)
         try:
             graph = tracer.trace(module)
         except (ValueError, TypeError) as exc:
@@ -157,7 +184,8 @@ class MultiStreamPass:
             program = torch.export.export(
                 module,
                 self.example_inputs,
-                dynamic_shapes=_all_dynamic(self.example_inputs),
+                kwargs=self.example_kwargs,
+                dynamic_shapes=_all_dynamic(module, self.example_inputs, self.example_kwargs),
                 strict=False,
             )
         except Exception as export_exc:  # noqa: BLE001  (explained, with the first failure)
@@ -199,6 +227,46 @@ class MultiStreamPass:
             f"{type(exc).__name__}: {exc}. {hint}"
         )
 
+    def _inputs_by_position(self, module: torch.nn.Module) -> Optional[Tuple[Any, ...]]:
+        """The example inputs as symbolic tracing's placeholders take them:
+        forward's parameters in order, up to the last one given, defaults
+        where none is; None when a keyword has no position (it goes to
+        ``**kwargs``, or follows ``*args``)."""
+        if not self.example_kwargs:
+            return self.example_inputs
+        bound = _bind(module, self.example_inputs, self.example_kwargs).arguments
+        values: List[Any] = []
+        missing: List[Any] = []  # defaults, added once a later argument is given
+        for p in inspect.signature(module.forward).parameters.values():
+            if not bound:
+                break
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
+                if p.kind is p.VAR_POSITIONAL and not bound.pop(p.name, ()):
+                    continue
+                return None
+            if p.name in bound:
+                values += missing + [bound.pop(p.name)]
+                missing = []
+            else:
+                missing.append(p.default)
+        return tuple(values)
+
+    def _inputs_of(self, graph_module: torch.fx.GraphModule) -> Optional[Tuple[Any, ...]]:
+        """The example inputs in the order of ``graph_module``'s
+        placeholders."""
+        if not self.example_kwargs:
+            return self.example_inputs
+        info = getattr(graph_module.graph._codegen, "pytree_info", None)
+        if info is not None and info.in_spec is not None:
+            # Captured by torch.export: the placeholders are the leaves of
+            # (args, kwargs), in the order its input spec gives them.
+            from torch.fx._pytree import tree_flatten_spec
+
+            return tuple(
+                tree_flatten_spec((self.example_inputs, self.example_kwargs), info.in_spec)
+            )
+        return self._inputs_by_position(graph_module)
+
     def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
         """Plan ``graph_module`` and return the rewritten copy (wrapped in a
         :class:`torch_stage.CUDAGraphModule` when ``cuda_graphs`` is set)."""
@@ -211,7 +279,11 @@ class MultiStreamPass:
         """Plan ``graph_module`` and return the rewritten ``GraphModule``."""
         graph = copy.deepcopy(graph_module.graph)
         analysis = GraphAnalysis(
-            graph_module, self.example_inputs, self.cost_model, self.num_streams, graph=graph
+            graph_module,
+            self._inputs_of(graph_module),
+            self.cost_model,
+            self.num_streams,
+            graph=graph,
         )
         stream_plan, raw = plan(analysis, self.strategy, self.verify)
         if raw["fork"]:
@@ -223,16 +295,51 @@ class MultiStreamPass:
         return result
 
 
-def _all_dynamic(inputs: Sequence[Any]):
+def _bind(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> inspect.BoundArguments:
+    """``args`` and ``kwargs`` bound to ``module.forward``'s parameters, or
+    a TypeError that shows the signature."""
+    signature = inspect.signature(module.forward)
+    try:
+        return signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"example_inputs and example_kwargs do not fit "
+            f"{type(module).__name__}.forward{signature}: {exc}"
+        ) from None
+
+
+def _all_dynamic(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]] = None
+):
     """``dynamic_shapes`` for torch.export: every dimension of every tensor
     input left for export to decide (``Dim.AUTO``, torch >= 2.6; static on
-    older releases, where the graph then holds only for these shapes)."""
+    older releases, where the graph then holds only for these shapes). With
+    keyword arguments, by forward's parameter names, as export then asks."""
     auto = getattr(torch.export.Dim, "AUTO", None)
     if auto is None:
         return None
-    return tuple(
-        {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs
-    )
+
+    def spec(x):
+        return {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+    if not kwargs:
+        return tuple(spec(x) for x in args)
+    specs = {}
+    parameters = inspect.signature(module.forward).parameters
+    for name, value in _bind(module, args, kwargs).arguments.items():
+        kind = parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            # torch.export (2.13) fails on any dynamic_shapes that reach
+            # **kwargs (an AssertionError from its own structure check), so
+            # such a call is captured with the examples' shapes.
+            return None
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            specs[name] = tuple(spec(x) for x in value)
+        else:
+            specs[name] = spec(value)
+    return specs
 
 
 def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:

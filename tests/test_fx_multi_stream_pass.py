@@ -496,3 +496,67 @@ def test_an_argument_traced_as_none_must_stay_none_and_the_plan_scripts():
     assert torch.equal(scripted(x, None, bias), model(x, bias=bias))
     with pytest.raises(torch.jit.Error, match="scale has been specialized"):
         scripted(x, torch.ones(8), bias)
+
+
+class _Optional(nn.Module):
+    """An optional mask, positional or keyword-only."""
+
+    def __init__(self, keyword_only=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        if keyword_only:
+            self.forward = self._keyword_only
+
+    def _keyword_only(self, x, *, mask=None):
+        return self._body(x, mask)
+
+    def forward(self, x, mask=None):
+        return self._body(x, mask)
+
+    def _body(self, x, mask):
+        z = self.b(x)
+        if mask is not None:
+            z = z.masked_fill(mask, 0.0)
+        return self.a(x) + z
+
+
+@pytest.mark.parametrize("keyword_only", [False, True], ids=["positional", "keyword-only"])
+def test_a_plan_with_an_argument_traced_as_none_pickles_and_refuses_a_value(keyword_only):
+    import pickle
+
+    model = _Optional(keyword_only).eval()
+    x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x,))
+    assert torch.equal(gm(x), model(x))
+    # Unpickling re-traces the graph's code: the check must trace too.
+    again = pickle.loads(pickle.dumps(gm))
+    for plan in (gm, again):
+        assert torch.equal(plan(x), model(x))
+        with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+            plan(x, mask=mask)
+
+
+class _VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, *rest, **options):
+        out = self.a(x)
+        for r in rest:
+            out = out + self.b(r)
+        if "mask" in options:
+            out = out.masked_fill(options["mask"], 0.0)
+        return out
+
+
+def test_star_args_and_keywords_unrolled_from_the_examples_refuse_other_calls():
+    model = _VarArgs()
+    x, y, mask = torch.randn(4, 8), torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    with pytest.warns(UserWarning, match="decided from example_inputs"):
+        gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x, y))
+    assert torch.equal(gm(x, y), model(x, y))
+    with pytest.raises(TypeError, match=r"1 argument\(s\) through \*rest, and this call gives 2"):
+        gm(x, y, y)
+    with pytest.raises(TypeError, match=r"keyword\(s\) \[\] through \*\*options.*gives \['mask'\]"):
+        gm(x, y, mask=mask)

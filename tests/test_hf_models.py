@@ -125,6 +125,23 @@ def test_an_attention_mask_given_by_keyword_is_planned_and_equals_eager(name):
     assert not torch.equal(out.last_hidden_state, unmasked.last_hidden_state)
 
 
+def test_a_mask_that_was_none_in_the_examples_is_refused_not_ignored():
+    # torch.export makes a None input a constant of its input spec and
+    # ignores a tensor given there later: the plan would run unmasked.
+    model = build("bert")
+    x, mask = ids(2, 16), padding_mask(2, 16)
+    rewritten = torch_stage.multi_stream(
+        model, num_streams=4, example_inputs=(x,), example_kwargs={"attention_mask": None}
+    )
+    with torch.no_grad():
+        assert torch.equal(rewritten(x).last_hidden_state, model(x).last_hidden_state)
+        with pytest.raises(AssertionError, match="attention_mask has been specialized"):
+            rewritten(x, attention_mask=mask)
+        # The same for an argument left out of the examples (its default None).
+        with pytest.raises(AssertionError, match="token_type_ids has been specialized"):
+            rewritten(x, token_type_ids=torch.zeros_like(x))
+
+
 def test_only_keyword_examples_are_enough():
     model = build("bert")
     x, mask = ids(2, 16), padding_mask(2, 16)

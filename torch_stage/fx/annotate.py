@@ -58,6 +58,11 @@ def check_none(value: Optional[torch.Tensor], message: str) -> None:
     """torch.fx's check that an argument traced as None is None at run time
     (``_assert_is_none``), in a form TorchScript compiles (fx's annotates
     the value as ``object``, which TorchScript has no type for)."""
+    if not torch.jit.is_scripting():  # (alone: TorchScript skips the block)
+        if isinstance(value, torch.fx.Proxy):
+            # Traced again: an unpickled GraphModule re-traces its own code.
+            value.tracer.create_proxy("call_function", check_none, (value, message), {})
+            return
     if value is not None:
         raise AssertionError(message)
 
@@ -220,9 +225,10 @@ class AnnotatingTracer(torch.fx.Tracer):
         forward = root.forward if isinstance(root, torch.nn.Module) else root
         found = {}
         parameters = inspect.signature(forward).parameters.values()
-        for position, p in enumerate(parameters):
-            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-                break
+        # torch.fx's placeholders: positional parameters, then keyword-only
+        # ones (then *args, **kwargs), which is the order examples come in.
+        named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        for position, p in enumerate(named):
             if position < len(self.example_inputs):
                 if self.example_inputs[position] is None:
                     found[p.name] = None

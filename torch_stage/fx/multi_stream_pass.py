@@ -134,6 +134,9 @@ class MultiStreamPass:
         result = self.call(traced)
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
             result._mode_source = _ModeSource(self, module, traced.code)
+        guard = _ExampleCallGuard.of(module, traced, self.example_inputs, self.example_kwargs)
+        if guard is not None:
+            result.register_forward_pre_hook(guard, with_kwargs=True)
         return result
 
     def trace(self, module: torch.nn.Module) -> torch.fx.GraphModule:
@@ -178,14 +181,24 @@ class MultiStreamPass:
         """
         if self.example_inputs is None:
             raise self._trace_error(name, exc) from exc
+        # A keyword given as None where that is its default is left out:
+        # export would make it a required argument of the result, so every
+        # call would have to spell it out. (A later value for it is refused:
+        # _ExampleCallGuard.)
+        parameters = inspect.signature(module.forward).parameters
+        kwargs = {
+            k: v
+            for k, v in (self.example_kwargs or {}).items()
+            if not (v is None and k in parameters and parameters[k].default is None)
+        } or None
         state = _annotations._annotations
         entered = state.entered
         try:
             program = torch.export.export(
                 module,
                 self.example_inputs,
-                kwargs=self.example_kwargs,
-                dynamic_shapes=_all_dynamic(module, self.example_inputs, self.example_kwargs),
+                kwargs=kwargs,
+                dynamic_shapes=_all_dynamic(module, self.example_inputs, kwargs),
                 strict=False,
             )
         except Exception as export_exc:  # noqa: BLE001  (explained, with the first failure)
@@ -199,6 +212,7 @@ class MultiStreamPass:
                 "them (torch >= 2.10)."
             )
         exported = program.module()
+        exported._torch_stage_example_kwargs = kwargs or {}
         for n in exported.graph.nodes:
             # The input checks export adds (shapes, dtypes): host work.
             if n.op == "call_module" and n.target == "_guards_fn":
@@ -237,10 +251,12 @@ class MultiStreamPass:
         bound = _bind(module, self.example_inputs, self.example_kwargs).arguments
         values: List[Any] = []
         missing: List[Any] = []  # defaults, added once a later argument is given
+        # torch.fx's placeholders: positional parameters, then keyword-only
+        # ones, then *args (fed from the examples left), then **kwargs.
         for p in inspect.signature(module.forward).parameters.values():
             if not bound:
                 break
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY):
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 if p.kind is p.VAR_POSITIONAL and not bound.pop(p.name, ()):
                     continue
                 return None
@@ -262,9 +278,8 @@ class MultiStreamPass:
             # (args, kwargs), in the order its input spec gives them.
             from torch.fx._pytree import tree_flatten_spec
 
-            return tuple(
-                tree_flatten_spec((self.example_inputs, self.example_kwargs), info.in_spec)
-            )
+            kwargs = getattr(graph_module, "_torch_stage_example_kwargs", self.example_kwargs)
+            return tuple(tree_flatten_spec((self.example_inputs, kwargs), info.in_spec))
         return self._inputs_by_position(graph_module)
 
     def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
@@ -408,6 +423,93 @@ def _report_generated_code(exc: Exception) -> None:
     if "eval_with_key" in top.filename:
         print(message(top), file=sys.stderr)
         raise exc.with_traceback(None)
+
+
+class _ExampleCallGuard:
+    """A forward pre-hook for a plan made from example inputs: refuses a
+    call the graph would run wrongly, silently, because it holds something
+    fixed to the examples that it cannot check itself.
+
+    * An argument that was None in the examples (given, or a default left
+      out) where ``torch.export`` captured the module: export makes None a
+      constant of its input spec and then ignores a tensor given there (an
+      attention mask). (A torch.fx graph checks this itself:
+      :func:`torch_stage.fx.annotate.check_none`.)
+    * ``*args`` and ``**kwargs``: tracing with examples unrolls them, so the
+      graph takes as many positional extras and the same keywords as the
+      examples had, and ignores any others.
+    """
+
+    __slots__ = ("signature", "none_names", "var_positional", "var_keyword")
+
+    def __init__(self, signature, none_names, var_positional, var_keyword):
+        self.signature = signature
+        self.none_names = none_names
+        self.var_positional = var_positional  # (name, count) or None
+        self.var_keyword = var_keyword  # (name, sorted keys) or None
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def of(cls, module, traced, args, kwargs) -> Optional[_ExampleCallGuard]:
+        if args is None:
+            return None
+        signature = inspect.signature(module.forward)
+        try:
+            bound = signature.bind(*args, **(kwargs or {})).arguments
+        except TypeError:
+            return None  # planned from examples forward does not bind (a GraphModule's own)
+        info = getattr(traced.graph._codegen, "pytree_info", None)
+        exported = info is not None and info.in_spec is not None
+        none_names, var_positional, var_keyword = [], None, None
+        for p in signature.parameters.values():
+            if p.kind is p.VAR_POSITIONAL:
+                var_positional = (p.name, len(bound.get(p.name, ())))
+            elif p.kind is p.VAR_KEYWORD:
+                var_keyword = (p.name, sorted(bound.get(p.name, {})))
+            elif exported and (bound[p.name] if p.name in bound else p.default) is None:
+                none_names.append(p.name)
+        if not (none_names or var_positional or var_keyword):
+            return None
+        return cls(signature, none_names, var_positional, var_keyword)
+
+    def __call__(self, module, args, kwargs):
+        try:
+            bound = self.signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return None  # the graph's own call says what does not fit
+        for name in self.none_names:
+            if bound.get(name) is not None:
+                raise AssertionError(
+                    f"{name} has been specialized to have value None but got another value: "
+                    f"the plan was made from examples where {name} was None, and torch.export "
+                    f"would ignore it; plan with an example that gives {name} "
+                    "(example_inputs / example_kwargs)"
+                )
+        if self.var_positional is not None:
+            name, count = self.var_positional
+            got = len(bound.get(name, ()))
+            if got != count:
+                raise TypeError(
+                    f"the plan was made from examples with {count} argument(s) through "
+                    f"*{name}, and this call gives {got}: the graph unrolled *{name} from "
+                    "the examples; plan with examples shaped like this call"
+                )
+        if self.var_keyword is not None:
+            name, keys = self.var_keyword
+            got = sorted(bound.get(name, {}))
+            if got != keys:
+                raise TypeError(
+                    f"the plan was made from examples with keyword(s) {keys} through "
+                    f"**{name}, and this call gives {got}: the graph unrolled **{name} "
+                    "from the examples; plan with examples shaped like this call"
+                )
+        return None
 
 
 class _ModeSource:

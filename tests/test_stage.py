@@ -739,24 +739,6 @@ def test_cuda_staging_fuses_tensors_and_reuses_pinned_buffers():
 
 
 @pytest.mark.cuda
-def test_cuda_gathers_do_not_wait_for_copies_while_few_buffers_are_in_flight():
-    # One producer, pageable items: the gather of an item into a pinned
-    # buffer must not wait for the copy of the one before (it reused that
-    # buffer, so gathers and copies took turns); a buffer is made instead,
-    # up to two waiting for their copies besides the one being filled.
-    items = [torch.full((4 << 20,), float(i)) for i in range(30)]  # 16 MB each
-    stage = staged(iter(items), device="cuda", capacity=4, num_threads=1)
-    for i, t in enumerate(stage):
-        assert t.device.type == "cuda"
-        assert torch.equal(t.cpu(), items[i])
-    s = stage.stats()
-    assert s["staged_items"] == 30
-    assert s["pinned_buffers"] + s["pinned_buffer_reuses"] == 30
-    assert 1 <= s["pinned_buffers"] <= 3
-    assert 0 <= s["pinned_buffer_waits"] <= s["pinned_buffer_reuses"]
-
-
-@pytest.mark.cuda
 def test_cuda_staging_sends_large_pinned_tensors_without_a_gather():
     # What a pin_memory=True loader hands over: pinned already. The large
     # pinned tensor is copied as it is; the small one and the pageable one

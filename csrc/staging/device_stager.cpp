@@ -171,40 +171,17 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
   HostBuffer buffer;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Among the free buffers large enough: the smallest whose last copy is
-    // done. Reusing one a copy still reads would make this gather wait for
-    // that copy, so gathers and copies would take turns instead of
-    // overlapping (a pin_memory loader's caching host allocator hands out
-    // another block then, too); so a new buffer is made instead, unless
-    // kMaxBusyHostBuffers already wait for their copies: then the copies
-    // set the pace, and another buffer would only hold pinned memory.
-    auto ready = free_.end();
-    auto oldest_busy = free_.end();
-    int64_t busy = 0;
+    // Smallest free buffer that is large enough.
+    auto best = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->memory.numel() < bytes) {
-        continue;
-      }
-      if (!it->last_copy || it->last_copy->query()) {
-        if (ready == free_.end() ||
-            it->memory.numel() < ready->memory.numel()) {
-          ready = it;
-        }
-      } else {
-        ++busy;
-        if (oldest_busy == free_.end()) {
-          oldest_busy = it; // released first: its copy was queued first
-        }
+      if (it->memory.numel() >= bytes &&
+          (best == free_.end() || it->memory.numel() < best->memory.numel())) {
+        best = it;
       }
     }
-    auto pick = ready;
-    if (pick == free_.end() && busy >= kMaxBusyHostBuffers) {
-      pick = oldest_busy;
-      ++stats_.host_buffer_waits;
-    }
-    if (pick != free_.end()) {
-      buffer = std::move(*pick);
-      free_.erase(pick);
+    if (best != free_.end()) {
+      buffer = std::move(*best);
+      free_.erase(best);
       ++stats_.host_buffer_reuses;
     } else {
       ++stats_.host_buffers_allocated;

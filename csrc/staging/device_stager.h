@@ -88,9 +88,6 @@ struct DeviceStagerStats {
   int64_t bytes = 0;
   int64_t host_buffers_allocated = 0;
   int64_t host_buffer_reuses = 0;
-  // Reuses that waited for a copy still reading the buffer (every fitting
-  // free buffer busy, kMaxBusyHostBuffers of them).
-  int64_t host_buffer_waits = 0;
   int64_t direct_copies = 0; // pinned tensors copied without a gather
 };
 
@@ -98,9 +95,6 @@ class DeviceStager {
  public:
   static constexpr int64_t kAlignment = 64;
   static constexpr int64_t kDirectCopyBytes = 256 << 10;
-  // Free host buffers whose copies are still in flight before a gather
-  // waits for one rather than allocating another (see acquire_host_buffer).
-  static constexpr int64_t kMaxBusyHostBuffers = 2;
 
   // Throws c10::ValueError for a stream id outside [0, kMaxStreams) or
   // a device that does not exist.

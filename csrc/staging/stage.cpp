@@ -1193,7 +1193,6 @@ StageStats Stage::stats() const {
     s.staged_bytes = d.bytes;
     s.host_buffers = d.host_buffers_allocated;
     s.host_buffer_reuses = d.host_buffer_reuses;
-    s.host_buffer_waits = d.host_buffer_waits;
     s.direct_copies = d.direct_copies;
   }
   s.threads = state_->active.load();

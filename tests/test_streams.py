@@ -233,11 +233,17 @@ def test_zoo_is_bit_identical_on_gpu_with_random_delays_on_side_streams(entry):
     module = build(entry, "cuda")
     inputs = entry.inputs(16, "cuda")
     gm = with_side_stream_delays(torch_stage.multi_stream(module, num_streams=4))
+    _equals_eager_on_a_caller_stream(gm, module, inputs, calls=100)
+
+
+def _equals_eager_on_a_caller_stream(planned, module, inputs, calls):
+    """``planned`` gives ``module``'s results bit for bit, ``calls`` times
+    (seeded), called on a stream of the caller's that it leaves current."""
     caller = caller_stream()
     with torch.cuda.stream(caller):
-        for i in range(100):
+        for i in range(calls):
             expected = run(module, inputs, seed=i)
-            got = run(gm, inputs, seed=i)
+            got = run(planned, inputs, seed=i)
             assert torch.cuda.current_stream() == caller
             assert torch.equal(got, expected), f"iteration {i}"
 
@@ -267,13 +273,7 @@ def test_the_scripted_and_traced_zoo_equal_eager_on_gpu_after_save_and_load(entr
     path = tmp_path / f"{entry.name}.pt"
     compiled.save(str(path))
     loaded = torch.jit.load(str(path), map_location="cuda")
-    caller = caller_stream()
-    with torch.cuda.stream(caller):
-        for i in range(20):
-            expected = run(module, inputs, seed=i)
-            got = run(loaded, inputs, seed=i)
-            assert torch.cuda.current_stream() == caller
-            assert torch.equal(got, expected), f"iteration {i}"
+    _equals_eager_on_a_caller_stream(loaded, module, inputs, calls=20)
 
 
 @torch.fx.wrap

@@ -556,7 +556,46 @@ def test_star_args_and_keywords_unrolled_from_the_examples_refuse_other_calls():
     with pytest.warns(UserWarning, match="decided from example_inputs"):
         gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x, y))
     assert torch.equal(gm(x, y), model(x, y))
-    with pytest.raises(TypeError, match=r"1 argument\(s\) through \*rest, and this call gives 2"):
+    import pickle
+
+    for plan in (gm, copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        assert torch.equal(plan(x, y), model(x, y))
+        with pytest.raises(
+            TypeError, match=r"1 argument\(s\) through \*rest, and this call gives 2"
+        ):
+            plan(x, y, y)
+        with pytest.raises(TypeError, match=r"keyword\(s\) \[\] through \*\*options.*\['mask'\]"):
+            plan(x, y, mask=mask)
+
+
+def test_examples_for_star_args_before_a_keyword_only_argument_are_not_fed_to_it():
+    # torch.fx puts the placeholder of *rest after the keyword-only mask, so
+    # feeding the examples by position would give y to mask.
+    class RestThenMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, *rest, mask=None):
+            out = self.a(x)
+            for r in rest:
+                out = out + self.b(r)
+            return out if mask is None else out.masked_fill(mask, 0.0)
+
+    model = RestThenMask()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x, y))
+    assert torch.equal(gm(x, y), model(x, y))
+    with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
+        gm(x, y, mask=torch.rand(4, 8) > 0.5)
+    with pytest.raises(TypeError, match=r"through \*rest, and this call gives 2"):
         gm(x, y, y)
-    with pytest.raises(TypeError, match=r"keyword\(s\) \[\] through \*\*options.*gives \['mask'\]"):
-        gm(x, y, mask=mask)
+
+
+def test_examples_forward_fails_on_say_where_and_why():
+    x, bad = torch.randn(4, 8), torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(
+        RuntimeError,
+        match=r"forward fails on the example inputs at %masked_fill.*The size of tensor a \(3\)",
+    ):
+        torch_stage.multi_stream(_Optional(), example_inputs=(x,), example_kwargs={"mask": bad})

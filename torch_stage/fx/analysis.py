@@ -77,7 +77,16 @@ class _ShapeAndAlias(ShapeProp):
     tensor and which input nodes its result shares memory with."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as exc:
+            # ShapeProp's own message names the node but not the failure,
+            # which it keeps as the cause.
+            cause = exc.__cause__ or exc
+            raise RuntimeError(
+                f"forward fails on the example inputs at {n.format_node()}: "
+                f"{type(cause).__name__}: {cause}"
+            ) from cause
         produced = tensors_in(result)
         n.meta["torch_stage_has_tensor"] = bool(produced)
         ptrs = {_storage_ptr(t) for t in produced} - {None}

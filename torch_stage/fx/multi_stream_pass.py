@@ -135,7 +135,13 @@ class MultiStreamPass:
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
             result._mode_source = _ModeSource(self, module, traced.code)
         guard = _ExampleCallGuard.of(module, traced, self.example_inputs, self.example_kwargs)
-        if guard is not None:
+        if guard is None:
+            pass
+        elif isinstance(result, _GraphModule):
+            # An attribute its __call__ checks, not a hook: a GraphModule's
+            # deep copy and pickle keep attributes, not hooks.
+            result._example_guard = guard
+        else:
             result.register_forward_pre_hook(guard, with_kwargs=True)
         return result
 
@@ -143,13 +149,14 @@ class MultiStreamPass:
         """Trace ``module`` keeping stream annotations, or explain why not."""
         name = type(module).__name__
         inputs = self._inputs_by_position(module)
-        if inputs is None and self.example_kwargs:
+        if inputs is None and self.example_inputs is not None:
             return self._export(
                 module,
                 name,
                 TypeError(
-                    "symbolic tracing takes forward's arguments by position, and "
-                    f"example_kwargs {sorted(self.example_kwargs)} has one that has none"
+                    "symbolic tracing takes forward's arguments by position, and an "
+                    "example has none (it goes to **kwargs, or to *args before a "
+                    "keyword-only argument)"
                 ),
             )
         tracer = AnnotatingTracer(self.num_streams, inputs)
@@ -244,16 +251,25 @@ class MultiStreamPass:
     def _inputs_by_position(self, module: torch.nn.Module) -> Optional[Tuple[Any, ...]]:
         """The example inputs as symbolic tracing's placeholders take them:
         forward's parameters in order, up to the last one given, defaults
-        where none is; None when a keyword has no position (it goes to
-        ``**kwargs``, or follows ``*args``)."""
-        if not self.example_kwargs:
+        where none is; None when an example has no place there (it goes to
+        ``**kwargs``, or to ``*args`` before a keyword-only argument)."""
+        if self.example_inputs is None:
+            return None
+        parameters = inspect.signature(module.forward).parameters.values()
+        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+        if not self.example_kwargs and (
+            len(self.example_inputs) <= positional
+            or not any(p.kind is p.KEYWORD_ONLY for p in parameters)
+        ):
+            # (Examples past the positional parameters go to *args, whose
+            # placeholder comes after any keyword-only ones: placed below.)
             return self.example_inputs
-        bound = _bind(module, self.example_inputs, self.example_kwargs).arguments
+        bound = _bind(module, self.example_inputs, self.example_kwargs or {}).arguments
         values: List[Any] = []
         missing: List[Any] = []  # defaults, added once a later argument is given
         # torch.fx's placeholders: positional parameters, then keyword-only
         # ones, then *args (fed from the examples left), then **kwargs.
-        for p in inspect.signature(module.forward).parameters.values():
+        for p in parameters:
             if not bound:
                 break
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -330,8 +346,7 @@ def _all_dynamic(
 ):
     """``dynamic_shapes`` for torch.export: every dimension of every tensor
     input left for export to decide (``Dim.AUTO``, torch >= 2.6; static on
-    older releases, where the graph then holds only for these shapes). With
-    keyword arguments, by forward's parameter names, as export then asks."""
+    older releases, where the graph then holds only for these shapes)."""
     auto = getattr(torch.export.Dim, "AUTO", None)
     if auto is None:
         return None
@@ -339,11 +354,16 @@ def _all_dynamic(
     def spec(x):
         return {d: auto for d in range(x.dim())} if isinstance(x, torch.Tensor) else None
 
-    if not kwargs:
-        return tuple(spec(x) for x in args)
-    specs = {}
     parameters = inspect.signature(module.forward).parameters
-    for name, value in _bind(module, args, kwargs).arguments.items():
+    positional = sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters.values()
+    )
+    if not kwargs and len(args) <= positional:
+        return tuple(spec(x) for x in args)
+    # By name, which export asks for with keywords, and which groups the
+    # examples *args takes into its tuple.
+    specs = {}
+    for name, value in _bind(module, args, kwargs or {}).arguments.items():
         kind = parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
             # torch.export (2.13) fails on any dynamic_shapes that reach
@@ -389,6 +409,9 @@ def _graph_module_call(self, *args, **kwargs):
     a report of the failing line of the generated code, is made here on the
     error path (:func:`_report_generated_code`).
     """
+    guard = self.__dict__.get("_example_guard")
+    if guard is not None:
+        guard(self, args, kwargs)
     try:
         return _module_call(self, *args, **kwargs)
     except Exception as exc:
@@ -399,6 +422,9 @@ def _graph_module_call(self, *args, **kwargs):
 def _finishing_call(self, *args, **kwargs):
     """``MultiStreamGraphModule.__call__``: :func:`_graph_module_call` that
     also finishes the runs forward forked if it raises."""
+    guard = self.__dict__.get("_example_guard")
+    if guard is not None:
+        guard(self, args, kwargs)
     depth = _run_depth()
     try:
         return _module_call(self, *args, **kwargs)
@@ -425,8 +451,14 @@ def _report_generated_code(exc: Exception) -> None:
         raise exc.with_traceback(None)
 
 
+def _unpickle_guarded(rebuild, args, guard):
+    module = rebuild(*args)
+    module.register_forward_pre_hook(guard, with_kwargs=True)
+    return module
+
+
 class _ExampleCallGuard:
-    """A forward pre-hook for a plan made from example inputs: refuses a
+    """A check before each call of a plan made from example inputs: refuses a
     call the graph would run wrongly, silently, because it holds something
     fixed to the examples that it cannot check itself.
 
@@ -463,7 +495,7 @@ class _ExampleCallGuard:
         try:
             bound = signature.bind(*args, **(kwargs or {})).arguments
         except TypeError:
-            return None  # planned from examples forward does not bind (a GraphModule's own)
+            return None  # examples for a GraphModule's own forward, not the module's
         info = getattr(traced.graph._codegen, "pytree_info", None)
         exported = info is not None and info.in_spec is not None
         none_names, var_positional, var_keyword = [], None, None
@@ -566,7 +598,7 @@ class _GraphModule(torch.fx.GraphModule):
     def __deepcopy__(self, memo):
         res = super().__deepcopy__(memo)
         # GraphModule's copy keeps only what the graph references.
-        for name in ("stream_plan", "_own_stream_plan", "_mode_source"):
+        for name in ("stream_plan", "_own_stream_plan", "_mode_source", "_example_guard"):
             if name in self.__dict__:
                 res.__dict__[name] = copy.deepcopy(self.__dict__[name], memo)
         if "forward" in self.__dict__:
@@ -578,13 +610,20 @@ class _GraphModule(torch.fx.GraphModule):
         # (the pass may hold a cost model that does not pickle).
         active = self.__dict__.get("forward")
         if active is not None:
-            return active.__self__.__reduce__()
-        source = self.__dict__.pop("_mode_source", None)
-        try:
-            return super().__reduce__()
-        finally:
-            if source is not None:
-                self.__dict__["_mode_source"] = source
+            reduced = active.__self__.__reduce__()
+        else:
+            source = self.__dict__.pop("_mode_source", None)
+            try:
+                reduced = super().__reduce__()
+            finally:
+                if source is not None:
+                    self.__dict__["_mode_source"] = source
+        guard = self.__dict__.get("_example_guard")
+        if guard is None:
+            return reduced
+        # Unpickled, it is a plain GraphModule (torch.fx rebuilds one from
+        # the code): the guard goes with it as a forward pre-hook.
+        return (_unpickle_guarded, (reduced[0], reduced[1], guard))
 
     def train(self, mode: bool = True):
         super().train(mode)

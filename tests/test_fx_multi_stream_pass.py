@@ -599,3 +599,17 @@ def test_examples_forward_fails_on_say_where_and_why():
         match=r"forward fails on the example inputs at %masked_fill.*The size of tensor a \(3\)",
     ):
         torch_stage.multi_stream(_Optional(), example_inputs=(x,), example_kwargs={"mask": bad})
+
+
+def test_fx_trace_takes_keyword_examples_and_multi_stream_plans_its_graph():
+    model = _Keywords()
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    gm = trace(model, num_streams=2, example_inputs=(x,), example_kwargs={"bias": bias})
+    assert torch.equal(gm(x, bias=bias), model(x, bias=bias))
+    planned = torch_stage.multi_stream(
+        gm, num_streams=2, example_inputs=(x,), example_kwargs={"bias": bias}
+    )
+    assert planned.stream_plan.strategy == "critical_path"
+    assert torch.equal(planned(x, bias=bias), model(x, bias=bias))
+    with pytest.raises(TypeError, match=r"example_kwargs \['y'\]: symbolic tracing takes"):
+        trace(_VarArgs(), example_inputs=(x,), example_kwargs={"y": x})

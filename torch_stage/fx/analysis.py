@@ -79,7 +79,7 @@ class _ShapeAndAlias(ShapeProp):
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
             result = super().run_node(n)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (any failure of forward: re-raised, explained)
             # ShapeProp's own message names the node but not the failure,
             # which it keeps as the cause.
             cause = exc.__cause__ or exc

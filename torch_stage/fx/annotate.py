@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import operator
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -87,6 +87,57 @@ def _keep_none_inputs(graph: torch.fx.Graph, names) -> None:
                 if node.type is None:
                     node.type = Optional[torch.Tensor]
                 break
+
+
+def bind_examples(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> inspect.BoundArguments:
+    """``args`` and ``kwargs`` bound to ``module.forward``'s parameters, or
+    a TypeError that shows the signature."""
+    signature = inspect.signature(module.forward)
+    try:
+        return signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"example_inputs and example_kwargs do not fit "
+            f"{type(module).__name__}.forward{signature}: {exc}"
+        ) from None
+
+
+def examples_by_position(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]] = None
+) -> Optional[Tuple[Any, ...]]:
+    """Example inputs as :class:`AnnotatingTracer`'s placeholders take them:
+    forward's parameters in order, up to the last one given, defaults where
+    none is; None when an example has no place there (it goes to
+    ``**kwargs``, or to ``*args`` before a keyword-only argument)."""
+    args = tuple(args)
+    parameters = inspect.signature(module.forward).parameters.values()
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+    if not kwargs and (
+        len(args) <= positional or not any(p.kind is p.KEYWORD_ONLY for p in parameters)
+    ):
+        # (Examples past the positional parameters go to *args, whose
+        # placeholder comes after any keyword-only ones: placed below.)
+        return args
+    bound = bind_examples(module, args, kwargs or {}).arguments
+    values: List[Any] = []
+    missing: List[Any] = []  # defaults, added once a later argument is given
+    # torch.fx's placeholders: positional parameters, then keyword-only
+    # ones, then *args (fed from the examples left), then **kwargs.
+    for p in parameters:
+        if not bound:
+            break
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            if p.kind is p.VAR_POSITIONAL and not bound.pop(p.name, ()):
+                continue
+            return None
+        if p.name in bound:
+            values += missing + [bound.pop(p.name)]
+            missing = []
+        else:
+            missing.append(p.default)
+    return tuple(values)
 
 
 class AnnotatingTracer(torch.fx.Tracer):
@@ -343,6 +394,7 @@ def trace(
     module: torch.nn.Module,
     num_streams: Optional[int] = None,
     example_inputs: Optional[Sequence[Any]] = None,
+    example_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> torch.fx.GraphModule:
     """Trace ``module`` with :class:`AnnotatingTracer`.
 
@@ -354,11 +406,21 @@ def trace(
         num_streams: the pool size annotations must fit (``None``: up to
             :data:`torch_stage.MAX_STREAMS`).
         example_inputs: positional inputs; see :class:`AnnotatingTracer`.
+        example_kwargs: keyword inputs of the same call, by forward's
+            argument names (as for :func:`torch_stage.multi_stream`).
 
     Returns:
         A ``torch.fx.GraphModule`` whose nodes carry ``meta["torch_stage"]``
         where annotated.
     """
+    if example_kwargs:
+        example_inputs = examples_by_position(module, example_inputs or (), example_kwargs)
+        if example_inputs is None:
+            raise TypeError(
+                f"example_kwargs {sorted(example_kwargs)}: symbolic tracing takes "
+                "forward's arguments by position, and one of them has none (it goes to "
+                "**kwargs); torch_stage.multi_stream captures such a call with torch.export"
+            )
     tracer = AnnotatingTracer(num_streams=num_streams, example_inputs=example_inputs)
     graph = tracer.trace(module)
     name = type(module).__name__ if isinstance(module, torch.nn.Module) else "traced"

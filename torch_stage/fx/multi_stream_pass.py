@@ -43,7 +43,7 @@ from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.analysis import GraphAnalysis
-from torch_stage.fx.annotate import AnnotatingTracer
+from torch_stage.fx.annotate import AnnotatingTracer, bind_examples, examples_by_position
 from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST_META, INPUT, OUTPUT
 from torch_stage.fx.stream_plan import StreamPlan, plan
 
@@ -129,7 +129,7 @@ class MultiStreamPass:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"multi_stream needs a torch.nn.Module, got {type(module).__name__}")
         if self.example_kwargs:
-            _bind(module, self.example_inputs, self.example_kwargs)  # fails here if they do not fit
+            bind_examples(module, self.example_inputs, self.example_kwargs)  # fails here, if at all
         traced = self.trace(module)
         result = self.call(traced)
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
@@ -249,39 +249,9 @@ class MultiStreamPass:
         )
 
     def _inputs_by_position(self, module: torch.nn.Module) -> Optional[Tuple[Any, ...]]:
-        """The example inputs as symbolic tracing's placeholders take them:
-        forward's parameters in order, up to the last one given, defaults
-        where none is; None when an example has no place there (it goes to
-        ``**kwargs``, or to ``*args`` before a keyword-only argument)."""
         if self.example_inputs is None:
             return None
-        parameters = inspect.signature(module.forward).parameters.values()
-        positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
-        if not self.example_kwargs and (
-            len(self.example_inputs) <= positional
-            or not any(p.kind is p.KEYWORD_ONLY for p in parameters)
-        ):
-            # (Examples past the positional parameters go to *args, whose
-            # placeholder comes after any keyword-only ones: placed below.)
-            return self.example_inputs
-        bound = _bind(module, self.example_inputs, self.example_kwargs or {}).arguments
-        values: List[Any] = []
-        missing: List[Any] = []  # defaults, added once a later argument is given
-        # torch.fx's placeholders: positional parameters, then keyword-only
-        # ones, then *args (fed from the examples left), then **kwargs.
-        for p in parameters:
-            if not bound:
-                break
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                if p.kind is p.VAR_POSITIONAL and not bound.pop(p.name, ()):
-                    continue
-                return None
-            if p.name in bound:
-                values += missing + [bound.pop(p.name)]
-                missing = []
-            else:
-                missing.append(p.default)
-        return tuple(values)
+        return examples_by_position(module, self.example_inputs, self.example_kwargs)
 
     def _inputs_of(self, graph_module: torch.fx.GraphModule) -> Optional[Tuple[Any, ...]]:
         """The example inputs in the order of ``graph_module``'s
@@ -326,21 +296,6 @@ class MultiStreamPass:
         return result
 
 
-def _bind(
-    module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> inspect.BoundArguments:
-    """``args`` and ``kwargs`` bound to ``module.forward``'s parameters, or
-    a TypeError that shows the signature."""
-    signature = inspect.signature(module.forward)
-    try:
-        return signature.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise TypeError(
-            f"example_inputs and example_kwargs do not fit "
-            f"{type(module).__name__}.forward{signature}: {exc}"
-        ) from None
-
-
 def _all_dynamic(
     module: torch.nn.Module, args: Sequence[Any], kwargs: Optional[Mapping[str, Any]] = None
 ):
@@ -363,7 +318,7 @@ def _all_dynamic(
     # By name, which export asks for with keywords, and which groups the
     # examples *args takes into its tuple.
     specs = {}
-    for name, value in _bind(module, args, kwargs or {}).arguments.items():
+    for name, value in bind_examples(module, args, kwargs or {}).arguments.items():
         kind = parameters[name].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
             # torch.export (2.13) fails on any dynamic_shapes that reach

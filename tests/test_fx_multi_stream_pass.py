@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from zoo import InPlaceModel, TwoTowerRegression, plain_chain
 
@@ -613,3 +614,23 @@ def test_fx_trace_takes_keyword_examples_and_multi_stream_plans_its_graph():
     assert torch.equal(planned(x, bias=bias), model(x, bias=bias))
     with pytest.raises(TypeError, match=r"example_kwargs \['y'\]: symbolic tracing takes"):
         trace(_VarArgs(), example_inputs=(x,), example_kwargs={"y": x})
+
+
+def test_an_optional_argument_the_examples_gave_may_be_left_out_where_the_ops_take_none():
+    # Only an exported plan refuses it (test_hf_models.py): in a torch.fx
+    # graph the ops may take None, as F.linear's bias does.
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, bias=None):
+            return self.a(x) + F.linear(x, self.b.weight, bias)
+
+    model = Biased()
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    gm = torch_stage.multi_stream(
+        model, num_streams=2, example_inputs=(x,), example_kwargs={"bias": bias}
+    )
+    assert torch.equal(gm(x, bias=bias), model(x, bias=bias))
+    assert torch.equal(gm(x), model(x))

@@ -123,6 +123,10 @@ def test_an_attention_mask_given_by_keyword_is_planned_and_equals_eager(name):
     assert torch.equal(out_other.last_hidden_state, ref_other.last_hidden_state)
     # The mask was planned, not dropped: it changes the result.
     assert not torch.equal(out.last_hidden_state, unmasked.last_hidden_state)
+    # And the plan holds what the model does with one: a call without it is
+    # refused, saying so.
+    with pytest.raises(AssertionError, match="attention_mask has been specialized to have a"):
+        rewritten(x)
 
 
 def test_a_mask_that_was_none_in_the_examples_is_refused_not_ignored():

@@ -422,16 +422,22 @@ class _ExampleCallGuard:
       constant of its input spec and then ignores a tensor given there (an
       attention mask). (A torch.fx graph checks this itself:
       :func:`torch_stage.fx.annotate.check_none`.)
+    * An optional argument (default None) that the examples gave, where
+      ``torch.export`` captured the module: the graph holds the branch for a
+      value (``mask is not None``), and export's result only says the
+      argument is missing. (A torch.fx graph is left to run: its ops may
+      take None, as ``F.linear``'s bias does.)
     * ``*args`` and ``**kwargs``: tracing with examples unrolls them, so the
       graph takes as many positional extras and the same keywords as the
       examples had, and ignores any others.
     """
 
-    __slots__ = ("signature", "none_names", "var_positional", "var_keyword")
+    __slots__ = ("signature", "none_names", "given_names", "var_positional", "var_keyword")
 
-    def __init__(self, signature, none_names, var_positional, var_keyword):
+    def __init__(self, signature, none_names, given_names, var_positional, var_keyword):
         self.signature = signature
         self.none_names = none_names
+        self.given_names = given_names
         self.var_positional = var_positional  # (name, count) or None
         self.var_keyword = var_keyword  # (name, sorted keys) or None
 
@@ -453,17 +459,21 @@ class _ExampleCallGuard:
             return None  # examples for a GraphModule's own forward, not the module's
         info = getattr(traced.graph._codegen, "pytree_info", None)
         exported = info is not None and info.in_spec is not None
-        none_names, var_positional, var_keyword = [], None, None
+        none_names, given_names, var_positional, var_keyword = [], [], None, None
         for p in signature.parameters.values():
             if p.kind is p.VAR_POSITIONAL:
                 var_positional = (p.name, len(bound.get(p.name, ())))
             elif p.kind is p.VAR_KEYWORD:
                 var_keyword = (p.name, sorted(bound.get(p.name, {})))
-            elif exported and (bound[p.name] if p.name in bound else p.default) is None:
+            elif not exported:
+                continue  # a torch.fx graph checks a None itself, and may take None
+            elif (bound[p.name] if p.name in bound else p.default) is None:
                 none_names.append(p.name)
-        if not (none_names or var_positional or var_keyword):
+            elif p.default is None:
+                given_names.append(p.name)
+        if not (none_names or given_names or var_positional or var_keyword):
             return None
-        return cls(signature, none_names, var_positional, var_keyword)
+        return cls(signature, none_names, given_names, var_positional, var_keyword)
 
     def __call__(self, module, args, kwargs):
         try:
@@ -477,6 +487,13 @@ class _ExampleCallGuard:
                     f"the plan was made from examples where {name} was None, and torch.export "
                     f"would ignore it; plan with an example that gives {name} "
                     "(example_inputs / example_kwargs)"
+                )
+        for name in self.given_names:
+            if bound.get(name) is None:
+                raise AssertionError(
+                    f"{name} has been specialized to have a value but got None: the plan "
+                    f"was made from examples that gave {name}, and holds what forward does "
+                    f"with it; plan with examples where {name} is None for calls without it"
                 )
         if self.var_positional is not None:
             name, count = self.var_positional

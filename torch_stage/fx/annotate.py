@@ -67,7 +67,15 @@ def check_none(value: Optional[torch.Tensor], message: str) -> None:
         raise AssertionError(message)
 
 
-def _keep_none_inputs(graph: torch.fx.Graph, names) -> None:
+def _named_parameters(forward: Any) -> List[inspect.Parameter]:
+    """forward's parameters as torch.fx makes its placeholders: positional
+    ones, then keyword-only ones (then ``*args`` and ``**kwargs``, left
+    out here)."""
+    parameters = inspect.signature(forward).parameters.values()
+    return [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _keep_none_inputs(graph: torch.fx.Graph, forward: Any, names) -> None:
     """Mend the graph torch.fx made for the concrete None arguments
     ``names``: it calls the placeholder of ``scale`` ``scale_1`` (the code
     would take ``scale_1`` by keyword) and checks it with a function
@@ -76,17 +84,14 @@ def _keep_none_inputs(graph: torch.fx.Graph, names) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is fx_check:
             node.target = check_none
-    for name in names:
-        for node in graph.nodes:
-            target = node.target
-            if node.op == "placeholder" and (
-                target == name
-                or (target.startswith(name + "_") and target[len(name) + 1 :].isdigit())
-            ):
-                node.target = name
-                if node.type is None:
-                    node.type = Optional[torch.Tensor]
-                break
+    placeholders = [
+        n for n in graph.nodes if n.op == "placeholder" and not n.target.startswith("*")
+    ]
+    for node, p in zip(placeholders, _named_parameters(forward)):
+        if p.name in names:
+            node.target = p.name
+            if node.type is None:
+                node.type = Optional[torch.Tensor]
 
 
 def bind_examples(
@@ -138,6 +143,10 @@ def examples_by_position(
         else:
             missing.append(p.default)
     return tuple(values)
+
+
+def _forward(root: Any) -> Any:
+    return root.forward if isinstance(root, torch.nn.Module) else root
 
 
 class AnnotatingTracer(torch.fx.Tracer):
@@ -254,7 +263,7 @@ class AnnotatingTracer(torch.fx.Tracer):
             self._values = {}
             self._inputs = None
         if none_inputs:
-            _keep_none_inputs(graph, none_inputs)
+            _keep_none_inputs(graph, _forward(root), none_inputs)
         if self.specialised:
             warnings.warn(
                 "torch_stage: control flow on traced values was decided from "
@@ -273,13 +282,9 @@ class AnnotatingTracer(torch.fx.Tracer):
         placeholder and checks at run time that the value is None."""
         if self.example_inputs is None:
             return None
-        forward = root.forward if isinstance(root, torch.nn.Module) else root
         found = {}
-        parameters = inspect.signature(forward).parameters.values()
-        # torch.fx's placeholders: positional parameters, then keyword-only
-        # ones (then *args, **kwargs), which is the order examples come in.
-        named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        for position, p in enumerate(named):
+        # The examples come in the order of the placeholders.
+        for position, p in enumerate(_named_parameters(_forward(root))):
             if position < len(self.example_inputs):
                 if self.example_inputs[position] is None:
                     found[p.name] = None

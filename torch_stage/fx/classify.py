@@ -150,18 +150,16 @@ def classify(analysis: Any, n: torch.fx.Node) -> str:
         # tensor come out).
         if not n.meta.get("torch_stage_has_tensor", True):
             return HOST
-    if n.op == "call_function" and inputs and host_inputs and not n.users:
-        # A check on host values (torch._assert on shapes): it cannot read
-        # device memory, and nothing on the device waits for it.
-        return HOST
     if (
         n.op == "call_function"
         and inputs
         and not n.users
-        and not any(a.meta.get("torch_stage_has_tensor", True) for a in inputs)
+        and (host_inputs or not any(a.meta.get("torch_stage_has_tensor", True) for a in inputs))
     ):
-        # The same over inputs the example run saw hold no tensor
-        # (torch.fx's check that an argument traced as None is None).
+        # A check on host values (torch._assert on shapes), or on inputs the
+        # example run saw hold no tensor (torch.fx's check that an argument
+        # traced as None is None): it cannot read device memory, and nothing
+        # on the device waits for it.
         return HOST
     if n.meta.get(HOST_META) or reads_metadata_only(n):
         return HOST

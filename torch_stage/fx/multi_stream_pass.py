@@ -135,13 +135,11 @@ class MultiStreamPass:
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
             result._mode_source = _ModeSource(self, module, traced.code)
         guard = _ExampleCallGuard.of(module, traced, self.example_inputs, self.example_kwargs)
-        if guard is None:
-            pass
-        elif isinstance(result, _GraphModule):
+        if guard is not None and isinstance(result, _GraphModule):
             # An attribute its __call__ checks, not a hook: a GraphModule's
             # deep copy and pickle keep attributes, not hooks.
             result._example_guard = guard
-        else:
+        elif guard is not None:
             result.register_forward_pre_hook(guard, with_kwargs=True)
         return result
 
@@ -258,14 +256,14 @@ class MultiStreamPass:
         placeholders."""
         if not self.example_kwargs:
             return self.example_inputs
-        info = getattr(graph_module.graph._codegen, "pytree_info", None)
-        if info is not None and info.in_spec is not None:
+        in_spec = _export_input_spec(graph_module)
+        if in_spec is not None:
             # Captured by torch.export: the placeholders are the leaves of
             # (args, kwargs), in the order its input spec gives them.
             from torch.fx._pytree import tree_flatten_spec
 
             kwargs = getattr(graph_module, "_torch_stage_example_kwargs", self.example_kwargs)
-            return tuple(tree_flatten_spec((self.example_inputs, kwargs), info.in_spec))
+            return tuple(tree_flatten_spec((self.example_inputs, kwargs), in_spec))
         return self._inputs_by_position(graph_module)
 
     def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
@@ -294,6 +292,13 @@ class MultiStreamPass:
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
         return result
+
+
+def _export_input_spec(graph_module: torch.fx.GraphModule) -> Any:
+    """The input spec of a module ``torch.export`` captured (its pytree
+    codegen's); None for one symbolic tracing made."""
+    info = getattr(graph_module.graph._codegen, "pytree_info", None)
+    return None if info is None else info.in_spec
 
 
 def _all_dynamic(
@@ -453,12 +458,8 @@ class _ExampleCallGuard:
         if args is None:
             return None
         signature = inspect.signature(module.forward)
-        try:
-            bound = signature.bind(*args, **(kwargs or {})).arguments
-        except TypeError:
-            return None  # examples for a GraphModule's own forward, not the module's
-        info = getattr(traced.graph._codegen, "pytree_info", None)
-        exported = info is not None and info.in_spec is not None
+        bound = bind_examples(module, args, kwargs or {}).arguments
+        exported = _export_input_spec(traced) is not None
         none_names, given_names, var_positional, var_keyword = [], [], None, None
         for p in signature.parameters.values():
             if p.kind is p.VAR_POSITIONAL:

@@ -739,6 +739,30 @@ def test_cuda_staging_fuses_tensors_and_reuses_pinned_buffers():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cuda_gathers_use_at_most_one_pinned_buffer_more_than_producers(threads):
+    # The copies go on the consumer's stream (stream id 0) behind GPU sleep,
+    # so copies are in flight when later gathers start: a gather then fills
+    # another buffer, up to producers + 1 (one copied from, one filled per
+    # producer), and only past that waits (the exact choices are the gtest
+    # DeviceStager.AGatherTakesAnotherBufferWhileTheCopyBeforeRuns: making a
+    # pinned or device buffer synchronizes the device, which ends the sleep
+    # early, so how many buffers a run makes is not fixed; seen on an H200).
+    items = [torch.full((4 << 20,), float(i)) for i in range(12)]  # 16 MB each
+    stage = staged(
+        iter(items), device="cuda", capacity=4, num_threads=threads, stage_subgraph_stream_id=0
+    )
+    torch.cuda._sleep(1 << 28)  # ~0.1 s on the stream the stage copies on
+    for i, t in enumerate(stage):
+        assert torch.equal(t.cpu(), items[i])
+    s = stage.stats()
+    assert s["staged_items"] == 12
+    assert 1 <= s["pinned_buffers"] <= threads + 1
+    assert s["pinned_buffers"] + s["pinned_buffer_reuses"] == 12
+    assert s["pinned_buffer_waits"] <= s["pinned_buffer_reuses"]
+
+
+@pytest.mark.cuda
 def test_cuda_staging_sends_large_pinned_tensors_without_a_gather():
     # What a pin_memory=True loader hands over: pinned already. The large
     # pinned tensor is copied as it is; the small one and the pageable one

@@ -155,8 +155,9 @@ class Stage:
         "compute" or "balanced" by those waits. With ``device``:
         ``staged_items``, ``staged_bytes``, ``fused_tensors`` (gathered into
         one transfer per item), ``pinned_direct_copies`` (large pinned
-        tensors sent as they are), ``pinned_buffers`` and
-        ``pinned_buffer_reuses``.
+        tensors sent as they are), ``pinned_buffers``,
+        ``pinned_buffer_reuses`` and ``pinned_buffer_waits`` (reuses that
+        waited for the copy still reading the buffer).
         """
         s = self._impl.stats()
         wait, blocked = s["consumer_wait_s"], s["producer_blocked_s"]

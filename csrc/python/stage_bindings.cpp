@@ -490,6 +490,7 @@ class PyStage {
     d["staged_bytes"] = s.staged_bytes;
     d["pinned_buffers"] = s.host_buffers;
     d["pinned_buffer_reuses"] = s.host_buffer_reuses;
+    d["pinned_buffer_waits"] = s.host_buffer_waits;
     d["pinned_direct_copies"] = s.direct_copies;
     d["threads"] = s.threads;
     d["inline_items"] = s.inline_items;

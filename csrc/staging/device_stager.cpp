@@ -167,22 +167,62 @@ void DeviceStager::note_copy(StageItem& item) const {
   notify_stream_op(note);
 }
 
-DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
+HostBufferChoice choose_host_buffer(
+    const std::vector<FreeHostBuffer>& free,
+    int64_t bytes,
+    int64_t buffers,
+    int64_t producers) {
+  // Among the free buffers large enough: the smallest whose last copy is
+  // done. Reusing one that a copy still reads would make this gather wait
+  // for that copy, so that gathers and copies take turns instead of
+  // overlapping. So while there are fewer buffers than producers + 1 (one
+  // being gathered into per producer, one being copied from), a new one is
+  // made instead; past that the copies set the pace and another buffer
+  // would only hold pinned memory, so the gather waits for the oldest.
+  HostBufferChoice choice;
+  int64_t oldest_busy = -1;
+  for (size_t i = 0; i < free.size(); ++i) {
+    const FreeHostBuffer& b = free[i];
+    if (b.bytes < bytes) {
+      continue;
+    }
+    const auto k = static_cast<int64_t>(i);
+    if (!b.busy) {
+      if (choice.index < 0 || b.bytes < free[choice.index].bytes) {
+        choice.index = k;
+      }
+    } else if (oldest_busy < 0) {
+      oldest_busy = k; // released first: its copy was queued first
+    }
+  }
+  if (choice.index < 0 && oldest_busy >= 0 &&
+      buffers >= std::max<int64_t>(producers, 1) + 1) {
+    choice.index = oldest_busy;
+    choice.wait = true;
+  }
+  return choice;
+}
+
+DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(
+    int64_t bytes,
+    int64_t producers) {
   HostBuffer buffer;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Smallest free buffer that is large enough.
-    auto best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->memory.numel() >= bytes &&
-          (best == free_.end() || it->memory.numel() < best->memory.numel())) {
-        best = it;
-      }
+    std::vector<FreeHostBuffer> candidates;
+    candidates.reserve(free_.size());
+    for (const HostBuffer& b : free_) {
+      const bool fits = b.memory.numel() >= bytes;
+      candidates.push_back(
+          {b.memory.numel(), fits && b.last_copy && !b.last_copy->query()});
     }
-    if (best != free_.end()) {
-      buffer = std::move(*best);
-      free_.erase(best);
+    const HostBufferChoice choice = choose_host_buffer(
+        candidates, bytes, stats_.host_buffers_allocated, producers);
+    if (choice.index >= 0) {
+      buffer = std::move(free_[choice.index]);
+      free_.erase(free_.begin() + choice.index);
       ++stats_.host_buffer_reuses;
+      stats_.host_buffer_waits += choice.wait ? 1 : 0;
     } else {
       ++stats_.host_buffers_allocated;
     }
@@ -204,10 +244,10 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(int64_t bytes) {
   return buffer;
 }
 
-int DeviceStager::gather_threads() {
-  static const int threads = std::clamp(
-      static_cast<int>(std::thread::hardware_concurrency() / 4), 1, 8);
-  return threads;
+int DeviceStager::gather_threads(int64_t producers) {
+  static const int64_t half = std::thread::hardware_concurrency() / 2;
+  return static_cast<int>(
+      std::clamp<int64_t>(half / std::max<int64_t>(producers, 1), 1, 8));
 }
 
 void DeviceStager::release_host_buffer(HostBuffer buffer) {
@@ -215,7 +255,7 @@ void DeviceStager::release_host_buffer(HostBuffer buffer) {
   free_.push_back(std::move(buffer));
 }
 
-void DeviceStager::stage(StageItem& item) {
+void DeviceStager::stage(StageItem& item, int64_t producers) {
   if (device_.is_cpu() && !fuse_on_cpu_) {
     for (auto& t : item.tensors) {
       if (t.defined() && !t.device().is_cpu()) {
@@ -247,8 +287,8 @@ void DeviceStager::stage(StageItem& item) {
         return o >= 0;
       });
   if (any_fused) {
-    HostBuffer host = acquire_host_buffer(layout.total_bytes);
-    const IntraOpThreads gather(accelerator ? gather_threads() : 1);
+    HostBuffer host = acquire_host_buffer(layout.total_bytes, producers);
+    const IntraOpThreads gather(accelerator ? gather_threads(producers) : 1);
     at::Tensor device_buffer = at::empty(
         {layout.total_bytes},
         at::TensorOptions().dtype(at::kByte).device(device_));

@@ -676,7 +676,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         return guarded(item, "copy to device", [&] {
           const Outcome o = work->expose_tensors(item);
           if (o == Outcome::kItem) {
-            stager->stage(item);
+            stager->stage(item, active.load());
           }
           return o;
         });
@@ -1193,6 +1193,7 @@ StageStats Stage::stats() const {
     s.staged_bytes = d.bytes;
     s.host_buffers = d.host_buffers_allocated;
     s.host_buffer_reuses = d.host_buffer_reuses;
+    s.host_buffer_waits = d.host_buffer_waits;
     s.direct_copies = d.direct_copies;
   }
   s.threads = state_->active.load();

@@ -245,6 +245,7 @@ struct StageStats {
   int64_t staged_bytes = 0;
   int64_t host_buffers = 0;
   int64_t host_buffer_reuses = 0;
+  int64_t host_buffer_waits = 0; // reuses that waited for a copy in flight
   int64_t direct_copies = 0; // pinned tensors sent without a gather
   // Producer threads allowed to work now (num_threads unless auto-tuned),
   // items consumers produced themselves, and the tuner's windows and trials.

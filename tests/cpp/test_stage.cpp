@@ -467,6 +467,38 @@ TEST(DeviceStager, FusesIntoOneBufferAndReusesHostBuffers) {
   EXPECT_EQ(s.fused_tensors, 40);
   EXPECT_EQ(s.host_buffers_allocated, 1);
   EXPECT_EQ(s.host_buffer_reuses, 19);
+  EXPECT_EQ(s.host_buffer_waits, 0); // a CPU copy is done when it returns
+}
+
+TEST(DeviceStager, AGatherTakesAnotherBufferWhileTheCopyBeforeRuns) {
+  using torch_stage::choose_host_buffer;
+  using torch_stage::FreeHostBuffer;
+  // One producer: the only buffer is still copied from, so a second is made
+  // (the gather overlaps the copy) ...
+  auto c = choose_host_buffer({{100, true}}, 80, 1, 1);
+  EXPECT_EQ(c.index, -1);
+  // ... and with two made, the gather waits for the oldest busy one.
+  c = choose_host_buffer({{100, true}, {100, true}}, 80, 2, 1);
+  EXPECT_EQ(c.index, 0);
+  EXPECT_TRUE(c.wait);
+  // A buffer whose copy is done is taken first, the smallest that fits,
+  // before any busy one and without making another.
+  c = choose_host_buffer(
+      {{100, true}, {300, false}, {50, false}, {200, false}}, 80, 4, 1);
+  EXPECT_EQ(c.index, 3);
+  EXPECT_FALSE(c.wait);
+  // Three producers may hold four buffers before one waits.
+  c = choose_host_buffer({{100, true}, {100, true}}, 80, 3, 3);
+  EXPECT_EQ(c.index, -1);
+  c = choose_host_buffer({{100, true}}, 80, 4, 3);
+  EXPECT_EQ(c.index, 0);
+  EXPECT_TRUE(c.wait);
+  // Nothing large enough: a new one, whatever the count (no producer may
+  // wait for a buffer it cannot use).
+  c = choose_host_buffer({{10, true}, {20, false}}, 80, 9, 1);
+  EXPECT_EQ(c.index, -1);
+  c = choose_host_buffer({}, 80, 0, 0);
+  EXPECT_EQ(c.index, -1);
 }
 
 TEST(DeviceStager, RejectsStreamsOutsideThePool) {

@@ -380,3 +380,106 @@ def test_each_epoch_starts_without_a_thread_but_with_what_tuning_learnt():
     loader.autotune = False
     assert [b.tolist() for b in loader][0] == [0, 1, 2, 3]
     assert loader.stats()["tuning"] is None
+
+
+class _EagerBucketSampler:
+    """A batch sampler that shuffles in __iter__ itself (bucketing samplers
+    do), not lazily in a generator."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size = n, size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        p = (torch.randperm(self.n) + 100 * self.epoch).tolist()
+        return iter([p[i : i + self.size] for i in range(0, self.n, self.size)])
+
+    def __len__(self) -> int:
+        return (self.n + self.size - 1) // self.size
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_eager_batch_sampler_draws_where_the_plain_loaders_does(num_workers):
+    # The plain DataLoader calls iter(batch_sampler) when its iterator is
+    # made, before it draws the workers' base seed: a sampler that shuffles
+    # there must see the same RNG, so the order is the same; and what it
+    # reads then (its epoch) is what it reads with the plain one.
+    def epoch(cls):
+        torch.manual_seed(0)
+        sampler = _EagerBucketSampler(400, 4)
+        it = iter(cls(list(range(400)), batch_sampler=sampler, num_workers=num_workers))
+        sampler.set_epoch(3)  # after iter(): too late for either loader
+        return [b.tolist() for b in it], torch.rand(3).tolist()
+
+    assert epoch(torch_stage.DataLoader) == epoch(tud.DataLoader)
+
+
+@pytest.mark.parametrize("cls", [tud.DataLoader, torch_stage.DataLoader])
+def test_a_batch_sampler_that_raises_in_iter_raises_at_iter(cls):
+    class Broken:
+        def __iter__(self):
+            raise RuntimeError("sampler misconfigured")
+
+        def __len__(self):
+            return 2
+
+    loader = cls(list(range(4)), batch_sampler=Broken())
+    with pytest.raises(RuntimeError, match="sampler misconfigured"):
+        iter(loader)
+
+
+def test_state_dict_refuses_batches_out_of_sampler_order():
+    # in_order=False hands batches over as workers finish them: a count of
+    # batches taken is no position in the sampler's order, and a resume from
+    # it would drop some batches and repeat others.
+    loader = torch_stage.DataLoader(Squares(), batch_size=2, num_workers=2, in_order=False)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match="in_order=False"):
+        loader.state_dict()
+    loader.close()
+    # Without workers there is one order, and without an epoch no position.
+    assert torch_stage.DataLoader(Squares(), in_order=False, num_workers=2).state_dict() == {
+        "version": 1,
+        "in_epoch": False,
+    }
+    solo = torch_stage.DataLoader(Squares(), batch_size=2, in_order=False)
+    solo_it = iter(solo)
+    next(solo_it)
+    assert solo.state_dict()["consumed"] == 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_leaves_the_global_rng_where_the_user_put_it(num_workers):
+    # The resumed epoch replays the sampler's draws from the epoch's saved
+    # RNG state, then hands the global RNG back: a training loop that
+    # restored its own RNG checkpoint must draw on from there (dropout,
+    # augmentation in the loop), as the uninterrupted run did.
+    # (Items without draws of their own: those would interleave with the
+    # loop's by the staging thread's timing.)
+    def make():
+        return torch_stage.DataLoader(
+            list(range(40)), batch_size=4, shuffle=True, num_workers=num_workers
+        )
+
+    torch.manual_seed(0)
+    loader = make()
+    order, draws = [], []
+    for k, b in enumerate(loader):
+        order.append(b.tolist())
+        draws.append(torch.rand(1).item())
+        if k == 1:
+            state, user_rng = loader.state_dict(), torch.get_rng_state()
+    torch.manual_seed(123)
+    resumed = make()
+    torch.set_rng_state(user_rng)
+    resumed.load_state_dict(state)
+    order2, draws2 = [], []
+    for b in resumed:
+        order2.append(b.tolist())
+        draws2.append(torch.rand(1).item())
+    assert order2 == order[2:]
+    assert draws2 == draws[2:]

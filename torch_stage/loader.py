@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import itertools
 import sys
 import threading
 import warnings
@@ -37,10 +36,12 @@ _PLAIN_HAS_IN_ORDER = "in_order" in inspect.signature(torch.utils.data.DataLoade
 class _SkippingSampler:
     """An index sampler that skips the batches a resumed epoch already had.
 
-    The skip happens lazily, on the first draw, so that random numbers are
-    drawn in the plain DataLoader's order (the iterator's worker base seed
-    when it is made, the sampler's seed at the first batch): a resumed epoch
-    then replays the same order from the saved RNG state.
+    ``iter()`` reaches the sampler at once, as the plain DataLoader's does
+    when its iterator is made (before it draws the workers' base seed): a
+    sampler that shuffles in ``__iter__`` itself then draws from the same
+    RNG state, and reads its epoch then. The skip happens on the first draw
+    (a generator sampler draws its seed there, after the base seed), or
+    when a resumed epoch settles it (see ``_SkippingIter.settle``).
     """
 
     def __init__(self, sampler, skip: int):
@@ -48,13 +49,48 @@ class _SkippingSampler:
         self._skip = skip
 
     def __iter__(self):
-        it = iter(self._sampler)
-        for _ in itertools.islice(it, self._skip):
-            pass
-        yield from it
+        return _SkippingIter(iter(self._sampler), self._skip)
 
     def __len__(self) -> int:
         return len(self._sampler)
+
+
+class _SkippingIter:
+    def __init__(self, it, skip: int):
+        self._it = it
+        self._skip = skip
+        self._ahead: Optional[tuple] = None  # settle()'s draw: (value,) or () at the end
+
+    def __iter__(self):
+        return self
+
+    def _skip_now(self) -> None:
+        while self._skip:
+            self._skip -= 1
+            if next(self._it, _END) is _END:
+                self._skip = 0
+                self._ahead = ()
+
+    def settle(self) -> None:
+        """Make the epoch's first draws now: the skip, and the first index
+        batch after it, kept for the next draw. A resumed epoch replays them
+        from the saved RNG state and then gives the global RNG back."""
+        self._skip_now()
+        if self._ahead is None:
+            value = next(self._it, _END)
+            self._ahead = () if value is _END else (value,)
+
+    def __next__(self):
+        self._skip_now()
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            if not ahead:
+                raise StopIteration
+            return ahead[0]
+        return next(self._it)
+
+
+_END = object()
 
 
 class _Skipping:
@@ -758,7 +794,15 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             self.close()
         _install_warning_recorder()
         resume, self._resume = self._resume, None
+        user_rng = None
         if resume is not None:
+            # The epoch's draws (the workers' base seed, the sampler's) are
+            # replayed from its saved start; then the global RNG goes back
+            # to where the caller had it, e.g. restored from the same
+            # checkpoint, which already holds those draws. The loader's own
+            # generator keeps the replay's state: that is where the
+            # uninterrupted run left it.
+            user_rng = torch.get_rng_state()
             torch.set_rng_state(resume["rng_state"])
             if self.generator is not None and resume["generator_state"] is not None:
                 self.generator.set_state(resume["generator_state"])
@@ -770,7 +814,14 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             "generator_state": None if self.generator is None else self.generator.get_state(),
             "consumed": skip,
         }
-        base, plain = self._base_iterator(skip)
+        try:
+            base, plain = self._base_iterator(skip)
+            sampler_iter = getattr(plain, "_sampler_iter", None)
+            if user_rng is not None and isinstance(sampler_iter, _SkippingIter):
+                sampler_iter.settle()
+        finally:
+            if user_rng is not None:
+                torch.set_rng_state(user_rng)
         epoch = _Epoch(base, self._known_batches(skip))
         if not (self.persistent_workers and self.num_workers > 0):
             epoch.workers = plain
@@ -784,9 +835,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         Only batches the loop has taken (or seen raise) count; batches
         staged ahead do not. Between epochs the state is empty and loading
         it changes nothing.
+
+        Raises:
+            ValueError: ``in_order=False`` with workers: batches come in no
+                order a count of them could resume from.
         """
         if self._epoch is None:
             return {"version": _STATE_VERSION, "in_epoch": False}
+        if self.num_workers > 0 and getattr(self, "in_order", True) is False:
+            raise ValueError(
+                "state_dict() needs batches in the sampler's order, and "
+                f"in_order=False with num_workers={self.num_workers} hands them over "
+                "as the workers finish them: a resume from the batches taken would "
+                "drop some and repeat others. Use in_order=True (the default) to "
+                "save and resume an epoch"
+            )
         return {
             "version": _STATE_VERSION,
             "in_epoch": True,
@@ -801,7 +864,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         """Make the next ``iter()`` resume the saved epoch where it was.
 
         The sampler must be configured as when the state was saved (for a
-        DistributedSampler, call ``set_epoch`` with the same epoch).
+        DistributedSampler, call ``set_epoch`` with the same epoch). That
+        ``iter()`` replays the epoch's random draws (the workers' base seed,
+        the sampler's) from the global RNG state saved with it, then puts
+        the global RNG back as it found it.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError(

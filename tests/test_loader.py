@@ -483,3 +483,33 @@ def test_resume_leaves_the_global_rng_where_the_user_put_it(num_workers):
         draws2.append(torch.rand(1).item())
     assert order2 == order[2:]
     assert draws2 == draws[2:]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_transform_takes_batches_of_any_structure_as_collate_fn_does(num_threads):
+    # The last batch is short, and its list of file names with it: a
+    # collate_fn may return batches of any structure, and so may the
+    # transform that stands for its end.
+    ds = [(torch.tensor(i), f"img{i}.jpg") for i in range(5)]
+
+    def transform(batch):
+        x, names = batch
+        return {"x": x * 2, "names": names, "first": names[0]}
+
+    def collate(items):
+        return transform(tud.default_collate(items))
+
+    ours = list(
+        torch_stage.DataLoader(ds, batch_size=2, transform=transform, num_threads=num_threads)
+    )
+    plain = list(tud.DataLoader(ds, batch_size=2, collate_fn=collate))
+    assert (
+        [b["names"] for b in ours]
+        == [b["names"] for b in plain]
+        == [
+            ("img0.jpg", "img1.jpg"),
+            ("img2.jpg", "img3.jpg"),
+            ("img4.jpg",),
+        ]
+    )
+    assert [b["x"].tolist() for b in ours] == [b["x"].tolist() for b in plain]

@@ -184,3 +184,23 @@ class TaggedHelpers:
     @staticmethod
     def StructureChecker():  # noqa: N802 - the C++ side calls helpers.StructureChecker()
         return StructureChecker(tagged=True)
+
+
+class _AnyStructure:
+    """A structure check that accepts every item."""
+
+    def __call__(self, obj, index):
+        pass
+
+
+class AnyStructureHelpers:
+    """This module's helpers for a stage whose transform may return items of
+    any structure (torch_stage.DataLoader's, which stands for the end of a
+    collate_fn: a short last batch carries shorter lists). Each item carries
+    its own structure through flatten, so nothing else needs the check;
+    tagged items flatten the same way."""
+
+    flatten = staticmethod(flatten)
+    nbytes = staticmethod(nbytes)
+    on_skip = staticmethod(on_skip)
+    StructureChecker = _AnyStructure

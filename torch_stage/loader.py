@@ -491,8 +491,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             copy to ``device``. An exception from it is raised in the
             ``next()`` for its batch and the epoch goes on, as after an
             error in ``collate_fn``; its warnings are raised in that
-            ``next()`` too. Every batch must come out with the structure
-            of the first (as with ``staged()``).
+            ``next()`` too. Batches may come out of it with any structure,
+            as from a ``collate_fn`` (a short last batch carries shorter
+            lists); ``staged()`` holds its items to the first one's.
         timeout_millis: how long the training loop waits for a batch before
             ``StageTimeoutError`` (the plain ``timeout`` still bounds workers;
             a batch the loop makes itself, when auto-tuning chose no staging
@@ -719,6 +720,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # code that holds the GIL the training step needs.
             _min_threads=0,
             _tuning_memory=self._next_tuning_memory() if autotune else None,
+            _any_structure=True,
             stage_subgraph_stream_id=option("stage_subgraph_stream_id"),
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),

@@ -90,6 +90,7 @@ class Stage:
         self._resume_kind = None if _options["call_source"] else _resume_kind(source)
         self._source_type = type(source).__name__
         self._cursor: Optional[_Cursor] = None
+        any_structure = _options.pop("any_structure")
         helpers = _pytree
         if self._resume_kind is not None:
             # Resumable: items travel tagged with their source position (see
@@ -100,6 +101,8 @@ class Stage:
             if transform is not None:
                 _options = dict(_options, transform=_tagged(transform))
                 helpers = _pytree.TaggedHelpers
+        if any_structure:
+            helpers = _pytree.AnyStructureHelpers
         self._impl = _C._Stage(
             source=source,
             helpers=helpers,
@@ -508,6 +511,7 @@ def staged(
     autotune: bool = True,
     _min_threads: int = 1,
     _tuning_memory: Optional[dict] = None,
+    _any_structure: bool = False,
 ) -> Stage:
     """Produce the items of ``source`` ahead of the consumer, in C++ threads.
 
@@ -668,6 +672,7 @@ def staged(
             device=dev,
             stream_id=stage_subgraph_stream_id,
             put_timeout_ms=put_timeout_millis,
+            any_structure=bool(_any_structure),
             **tuning,
         ),
     )

@@ -9,6 +9,7 @@ parameter too, so a scenario that is not deterministic by itself shows up.
 import gc
 import inspect
 import os
+import sys
 import time
 import warnings
 from typing import List
@@ -860,3 +861,59 @@ def test_exit_after_every_batch_but_no_stop_iteration_is_clean(run_python, make_
     )
     assert proc.stdout == "taken\n"
     assert proc.stderr == ""
+
+
+class CatchesItsWarning(tud.Dataset):
+    """Handles its own warning when the filters make it an error (as code
+    run under ``pytest -W error`` may)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        try:
+            warnings.warn("legacy format", UserWarning, stacklevel=1)
+            return i
+        except UserWarning:
+            return -i - 100
+
+
+@timeout
+@pytest.mark.parametrize("num_workers", WORKERS)
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_warning_the_filters_make_an_error_raises_where_it_is_made(cls_staging, num_workers):
+    cls, staging = cls_staging
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batches = loader(cls, CatchesItsWarning(), staging, batch_size=2, num_workers=num_workers)
+        got = [b.tolist() for b in batches]
+    assert got == [[-100, -101], [-102, -103], [-104, -105], [-106, -107]]
+
+
+@pytest.mark.parametrize("stacklevel", [0, -3, 1])
+def test_warn_with_a_stacklevel_below_one_points_at_its_caller_after_an_epoch(stacklevel):
+    # An epoch wraps warnings.warn for the process (see loader.py); the
+    # plain function takes a stacklevel of 1 or less as its caller's line.
+    list(torch_stage.DataLoader([1, 2]))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        warnings.warn("here", stacklevel=stacklevel)
+    assert [(w.filename, w.lineno) for w in seen] == [(__file__, line)]
+
+
+class WarnsWithABadCategory(tud.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        warnings.warn("bad", category=int, stacklevel=1)
+        return i
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_warning_category_that_is_no_warning_raises_the_plain_type_error(cls_staging):
+    cls, staging = cls_staging
+    with pytest.raises(TypeError, match="category must be a Warning subclass"):
+        next(iter(loader(cls, WarnsWithABadCategory(), staging, batch_size=2)))

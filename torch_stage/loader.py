@@ -193,20 +193,33 @@ def _end_recording(previous) -> None:
 
 
 def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
+    # One level more than asked: this wrapper's own frame. (The plain
+    # function takes any stacklevel of 1 or less as its caller.)
+    level = max(stacklevel, 1) + 1
     records = getattr(_recording, "records", None)
     if records is None or getattr(_recording, "contexts", 0) > _recording.base:
         # Not producing a batch, or inside a catch_warnings() the batch's
-        # own code entered. One more level: this wrapper's own frame.
-        return _plain_warn(message, category, stacklevel + 1, source, **kwargs)
+        # own code entered.
+        return _plain_warn(message, category, level, source, **kwargs)
     if isinstance(message, Warning):
         category = type(message)
     elif category is None:
         category = UserWarning
     frame = sys._getframe(1)
-    for _ in range(max(stacklevel, 1) - 1):
+    for _ in range(level - 2):
         if frame is None:
             break
         frame = frame.f_back
+    if (
+        not (isinstance(category, type) and issubclass(category, Warning))
+        or frame is not None
+        and _filter_action(message, category, frame) == "error"
+    ):
+        # The plain DataLoader makes the batch inside next(), where warn()
+        # raises this (the filters' error, or TypeError for a category that
+        # is no Warning) at the call: the batch's code may catch it, or
+        # fail with it at its own position, as it would there.
+        return _plain_warn(message, category, level, source, **kwargs)
     if frame is None or frame.f_code.co_filename == __file__:
         # Aimed at whoever called the plain iterator's next(): that is the
         # consumer's caller in the plain DataLoader.
@@ -216,6 +229,25 @@ def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
             (message, category, (frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
         )
     return None
+
+
+def _filter_action(message, category, frame) -> str:
+    """The action the warning filters give a warning made at ``frame``, by
+    the rules of warnings.warn_explicit (the first matching filter, else
+    the default action). Only "error" is acted on: a recorded warning is
+    raised again in next(), where every other action applies as usual."""
+    text = str(message)
+    module = frame.f_globals.get("__name__", "<string>")
+    lineno = frame.f_lineno
+    for action, msg, cat, mod, ln in warnings.filters:
+        if (
+            (msg is None or msg.match(text))
+            and issubclass(category, cat)
+            and (mod is None or mod.match(module))
+            and (ln == 0 or lineno == ln)
+        ):
+            return action
+    return warnings.defaultaction
 
 
 def _reemit(records) -> None:

@@ -90,7 +90,8 @@ class Stage:
         self._resume_kind = None if _options["call_source"] else _resume_kind(source)
         self._source_type = type(source).__name__
         self._cursor: Optional[_Cursor] = None
-        any_structure = _options.pop("any_structure")
+        _options = dict(_options)
+        any_structure = _options.pop("any_structure", False)
         helpers = _pytree
         if self._resume_kind is not None:
             # Resumable: items travel tagged with their source position (see

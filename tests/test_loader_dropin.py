@@ -917,3 +917,11 @@ def test_a_warning_category_that_is_no_warning_raises_the_plain_type_error(cls_s
     cls, staging = cls_staging
     with pytest.raises(TypeError, match="category must be a Warning subclass"):
         next(iter(loader(cls, WarnsWithABadCategory(), staging, batch_size=2)))
+
+
+@pytest.mark.parametrize("cls_staging", LOADERS[:2])
+def test_a_generator_that_is_no_generator_raises_the_plain_type_error(cls_staging):
+    cls, staging = cls_staging
+    bad = loader(cls, list(range(4)), staging, batch_size=2, shuffle=True, generator=3)
+    with pytest.raises(TypeError, match="generator"):
+        list(bad)

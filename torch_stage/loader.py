@@ -845,7 +845,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             skip = 0
         self._epoch = {
             "rng_state": torch.get_rng_state(),
-            "generator_state": None if self.generator is None else self.generator.get_state(),
+            # (Not a torch.Generator: the plain iterator's TypeError says so.)
+            "generator_state": self.generator.get_state()
+            if isinstance(self.generator, torch.Generator)
+            else None,
             "consumed": skip,
         }
         try:

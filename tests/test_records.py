@@ -10,6 +10,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import HANG_BOUND_S, devices
@@ -543,6 +544,9 @@ def test_record_input_shards_by_file(tmp_path):
     pattern = files(tmp_path, 5, 10)
     parts = [all_records(RecordInput(pattern, shard=(r, 3), epochs=1)) for r in range(3)]
     assert [len(p) for p in parts] == [20, 20, 10]
+    # Ranks from numpy or torch arithmetic, as every other int argument takes.
+    numpy_rank = all_records(RecordInput(pattern, shard=(np.int64(1), np.int32(3)), epochs=1))
+    assert sorted(numpy_rank) == sorted(parts[1])
     assert sorted(itertools.chain(*parts)) == sorted(
         f"f{k}r{i}".encode() for k in range(5) for i in range(10)
     )

@@ -12,6 +12,7 @@ A batch of serialized records travels as a :class:`RecordBatch`: one flat
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -711,10 +712,10 @@ class RecordInput:
         if (
             not isinstance(shard, (tuple, list))
             or len(shard) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) for v in shard)
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in shard)
         ):
             raise TypeError(f"shard must be a (rank, world_size) pair of ints, got {shard!r}")
-        rank, world = shard
+        rank, world = (int(v) for v in shard)
         if world < 1 or not 0 <= rank < world:
             raise ValueError(
                 f"shard must be (rank, world_size) with world_size >= 1 and "

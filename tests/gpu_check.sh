@@ -15,8 +15,8 @@
 #   3. beside step 2, the zoo's `cuda` tests (torchvision models on four
 #      real streams, and torch.cuda._sanitizer against each removed wait);
 #   4. benchmarks/device_staging.py (host-to-device staging against the
-#      plain ways), the demo and benchmarks/multi_stream.py (models
-#      section, GPU times).
+#      plain ways), benchmarks/pinned_gather.py (its gather step, modelled),
+#      the demo and benchmarks/multi_stream.py (models section, GPU times).
 # Logs and JSON go to OUT_DIR; the last lines say which step passed. Each
 # CSAN file stops at its fourth failure, so that their reports are printed
 # before its time runs out (pytest prints them at the end).
@@ -128,6 +128,8 @@ else
 fi
 step "device staging benchmark" 90 device_staging.log "$PY" benchmarks/device_staging.py \
   --items 20 --rounds 2 --json "$OUT/device_staging.json"
+step "pinned gather model" 40 pinned_gather.log "$PY" benchmarks/pinned_gather.py \
+  --rounds 2 --json "$OUT/pinned_gather.json"
 step "demo" 60 demo.log "$PY" examples/demo.py --steps 400 --rounds 2
 step "multi_stream benchmark" 80 multi_stream.log "$PY" benchmarks/multi_stream.py \
   --only-models --no-inductor --iters 20 --rounds 2 --json "$OUT/multi_stream.json"

@@ -848,3 +848,18 @@ def test_errors_are_exported():
     for name in ["RecordError", "RecordFileError", "CorruptRecordError", "ExampleParseError"]:
         assert issubclass(getattr(torch_stage, name), torch_stage.StageError)
     assert issubclass(FeatureError, RecordError)
+
+
+def test_a_key_with_an_empty_feature_is_an_empty_row_not_the_default():
+    # Example{features{feature{key: "a" value: Feature{}}}}: the key is
+    # there with no list. TensorFlow parses it as zero values for a
+    # variable length; the default is for records without the key.
+    def field(number, payload):
+        return bytes([number << 3 | 2, len(payload)]) + payload
+
+    empty = field(1, field(1, field(1, b"a") + field(2, b"")))
+    without = torch_stage.encode_example({"b": [1]})
+    spec = {"a": torch_stage.VarLenFeature(torch.int64, default_value=[5])}
+    got = torch_stage.parse_example([empty, without], spec)["a"]
+    assert got.values.tolist() == [5]
+    assert got.offsets.tolist() == [0, 0, 1]

@@ -314,6 +314,9 @@ class VarLenFeature:
             numbers, or of bytes); without it a missing key is a
             :class:`~torch_stage.FeatureError`. TensorFlow's VarLenFeature
             treats a missing key as empty; pass ``default_value=[]`` for that.
+            A key that is there with an empty ``Feature()`` (no list) is an
+            empty row, as in TensorFlow, not the default: unlike a fixed
+            length, zero values is a row a variable length can hold.
     """
 
     def __init__(self, dtype, default_value=None):

@@ -745,9 +745,10 @@ def test_cuda_gathers_use_at_most_one_pinned_buffer_more_than_producers(threads)
     # so copies are in flight when later gathers start: a gather then fills
     # another buffer, up to producers + 1 (one copied from, one filled per
     # producer), and only past that waits (the exact choices are the gtest
-    # DeviceStager.AGatherTakesAnotherBufferWhileTheCopyBeforeRuns: making a
-    # pinned or device buffer synchronizes the device, which ends the sleep
-    # early, so how many buffers a run makes is not fixed; seen on an H200).
+    # DeviceStager.AGatherTakesAnotherBufferWhileTheCopyBeforeRuns: on an
+    # H200 the sleep ended early, most likely because making a pinned or
+    # device buffer synchronizes the device, so how many buffers a run
+    # makes is not fixed).
     items = [torch.full((4 << 20,), float(i)) for i in range(12)]  # 16 MB each
     stage = staged(
         iter(items), device="cuda", capacity=4, num_threads=threads, stage_subgraph_stream_id=0

@@ -23,13 +23,17 @@ MAX_STAGE_THREADS = 1024
 MAX_WAIT_MS = 10**12
 
 
+def is_int(value) -> bool:
+    """Any integral type (numpy's too, as Python's own int checks take it);
+    not bools, which are ints to Python but never a count, a size or a rank."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, minimum: int, rule: str, maximum: int = INT64_MAX) -> int:
     """``value`` as an int in ``[minimum, maximum]``; TypeError or ValueError
     naming the argument, the value and ``rule`` otherwise (bools are not ints
     here). ``maximum`` defaults to the C++ side's int64 range."""
-    # Any integral type (numpy's too, as Python's own int checks take it);
-    # not bools, which are ints to Python but never a count or a size.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     value = operator.index(value)
     if value < minimum:

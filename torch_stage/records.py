@@ -12,14 +12,14 @@ A batch of serialized records travels as a :class:`RecordBatch`: one flat
 
 from __future__ import annotations
 
-import numbers
+import operator
 import os
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from torch_stage import _C
-from torch_stage._checks import INT64_MAX, MAX_WAIT_MS, check_int
+from torch_stage._checks import INT64_MAX, MAX_WAIT_MS, check_int, is_int
 
 __all__ = [
     "FixedLenFeature",
@@ -715,10 +715,10 @@ class RecordInput:
         if (
             not isinstance(shard, (tuple, list))
             or len(shard) != 2
-            or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in shard)
+            or not all(is_int(v) for v in shard)
         ):
             raise TypeError(f"shard must be a (rank, world_size) pair of ints, got {shard!r}")
-        rank, world = (int(v) for v in shard)
+        rank, world = (operator.index(v) for v in shard)
         if world < 1 or not 0 <= rank < world:
             raise ValueError(
                 f"shard must be (rank, world_size) with world_size >= 1 and "

@@ -173,13 +173,18 @@ def on_skip(stage, index, exc):
     )
 
 
-class TaggedHelpers:
-    """This module's helpers for a stage whose items are (position, item)
-    pairs (stage._tagged): the same, but structure checks look at the item."""
+class _Helpers:
+    """This module's helpers as the C++ stage calls them; the variants
+    below differ in the structure check only."""
 
     flatten = staticmethod(flatten)
     nbytes = staticmethod(nbytes)
     on_skip = staticmethod(on_skip)
+
+
+class TaggedHelpers(_Helpers):
+    """For a stage whose items are (position, item) pairs (stage._tagged):
+    structure checks look at the item."""
 
     @staticmethod
     def StructureChecker():  # noqa: N802 - the C++ side calls helpers.StructureChecker()
@@ -193,14 +198,11 @@ class _AnyStructure:
         pass
 
 
-class AnyStructureHelpers:
-    """This module's helpers for a stage whose transform may return items of
-    any structure (torch_stage.DataLoader's, which stands for the end of a
-    collate_fn: a short last batch carries shorter lists). Each item carries
-    its own structure through flatten, so nothing else needs the check;
-    tagged items flatten the same way."""
+class AnyStructureHelpers(_Helpers):
+    """For a stage whose transform may return items of any structure
+    (torch_stage.DataLoader's, which stands for the end of a collate_fn: a
+    short last batch carries shorter lists). Each item carries its own
+    structure through flatten, so nothing else needs the check; tagged
+    items flatten the same way."""
 
-    flatten = staticmethod(flatten)
-    nbytes = staticmethod(nbytes)
-    on_skip = staticmethod(on_skip)
     StructureChecker = _AnyStructure

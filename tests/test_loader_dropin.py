@@ -224,6 +224,77 @@ def test_a_transform_error_raises_for_its_batch_and_the_epoch_goes_on(cls_stagin
         assert made.stats()["skipped"] == 0
 
 
+class MetaBatches(tud.Dataset):
+    """Items are their index, on the meta device (no data) in the batches of
+    4 numbered ``bad``: copying those off it fails."""
+
+    def __init__(self, n=24, bad=(2, 4)):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i], device="meta" if i // 4 in self.bad else "cpu")
+
+
+def collate_to_cpu(items):
+    return tud.default_collate(items).to("cpu")
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_failed_copy_to_the_device_raises_for_its_batch_and_the_epoch_goes_on(cls_staging):
+    # The plain DataLoader raises an error of pin_memory (its last step of a
+    # batch) at that batch and goes on; ours copies to `device` last. Here
+    # the copy fails for the meta batches; the plain class fails there in
+    # collate_fn.
+    cls, staging = cls_staging
+    if cls is PLAIN:
+        made = PLAIN(MetaBatches(), batch_size=4, collate_fn=collate_to_cpu)
+    else:
+        made = cls(MetaBatches(), batch_size=4, device="cpu", **staging)
+    it = iter(made)
+    got = outcomes(it, 3)
+    if cls is not PLAIN:
+        # The failed batch counts as taken: a resume goes on after it.
+        assert made.state_dict()["consumed"] == 3
+    got += outcomes(it, 5)
+    kinds = ["batch", "batch", "error", "batch", "error", "batch", "end", "end"]
+    assert [o[0] for o in got] == kinds
+    batches = [o[1] for o in got if o[0] == "batch"]
+    assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23]]
+    assert all("meta" in o[2] for o in got if o[0] == "error")
+
+
+def refuse_nine_on_cpu(batch):
+    if batch.device.type == "cpu" and 9 in batch.flatten().tolist():
+        raise TypeError("cannot transform a batch holding item 9")
+    return batch
+
+
+def collate_refuse_nine_to_cpu(items):
+    return refuse_nine_on_cpu(tud.default_collate(items)).to("cpu")
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_failed_copy_right_after_a_transform_error_raises_in_order(cls_staging):
+    # The stage skips the batch whose transform raised and delivers the
+    # failed copy after it: each raises at its own batch.
+    cls, staging = cls_staging
+    dataset = MetaBatches(bad=(3,))
+    if cls is PLAIN:
+        made = PLAIN(dataset, batch_size=4, collate_fn=collate_refuse_nine_to_cpu)
+    else:
+        made = cls(dataset, batch_size=4, device="cpu", transform=refuse_nine_on_cpu, **staging)
+    got = outcomes(iter(made), 8)
+    kinds = ["batch", "batch", "error", "error", "batch", "batch", "end", "end"]
+    assert [o[0] for o in got] == kinds
+    assert got[2][1] is TypeError and "meta" in got[3][2]
+    assert [o[1] for o in got if o[0] == "batch"][2:] == [[16, 17, 18, 19], [20, 21, 22, 23]]
+
+
 @timeout
 @pytest.mark.workers
 def test_errors_with_persistent_workers_over_two_epochs(make):

@@ -22,6 +22,7 @@ import torch
 import torch.utils.data
 
 from torch_stage import _pytree
+from torch_stage.errors import StageClosed, StageError, StageTimeoutError
 from torch_stage.stage import Stage, staged
 
 __all__ = ["DataLoader", "STAGING_OPTIONS"]
@@ -497,7 +498,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     Args:
         device: deliver batches on this device (None: where collate_fn put
             them). Tensors anywhere in the batch (dicts, lists, tuples,
-            namedtuples) are copied; other values pass through.
+            namedtuples) are copied; other values pass through. A failed
+            copy raises ``StageError`` in the ``next()`` for its batch and
+            the epoch goes on, as after a failed ``pin_memory``.
         capacity: batches staged ahead (>= 1); None (default): auto-tuned
             from 2 (see ``autotune``).
         num_threads: staging threads; the loader is read by one at a time,
@@ -753,6 +756,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _min_threads=0,
             _tuning_memory=self._next_tuning_memory() if autotune else None,
             _any_structure=True,
+            # A failed copy to `device` raises at its batch and the epoch
+            # goes on, as the plain DataLoader does after pin_memory fails.
+            _item_errors=True,
             stage_subgraph_stream_id=option("stage_subgraph_stream_id"),
             transform=transform,
             ignored_exception_types=() if transform is None else (_pytree.Handled,),
@@ -940,6 +946,16 @@ _STAGING_DEFAULTS = {
 }
 
 
+class _FailedCopy:
+    """What the stage delivered for a batch whose copy to the device failed:
+    the error, to raise at that batch's position."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: StageError):
+        self.error = error
+
+
 class _LoaderIter:
     """An epoch of a torch_stage.DataLoader; owns its stage and workers."""
 
@@ -976,6 +992,8 @@ class _LoaderIter:
         if failed is None and self._pending is not None:
             batch = self._pending[1]
             self._pending = None
+            if isinstance(batch, _FailedCopy):
+                failed = (batch.error, epoch.warnings.pop(index, []), False)
         elif failed is None:
             if self._stage is None:
                 # The first batch of an epoch, and the one after an error in
@@ -1014,17 +1032,24 @@ class _LoaderIter:
                 if failed is None:
                     self._finish()
                     raise
-            else:
-                if epoch.failed and index in epoch.failed:
-                    # The stage skipped this batch (its transform raised) and
-                    # the ones after it recorded with it; it delivers in
-                    # order and records a skip before delivering past it, so
-                    # this batch is the first one after them.
-                    position = index + 1
-                    while position in epoch.failed:
-                        position += 1
-                    self._pending = (position, batch)
-                    failed = epoch.failed.pop(index)
+            except StageError as exc:
+                if isinstance(exc, (StageTimeoutError, StageClosed)) or self._stage._impl.failed:
+                    raise  # no batch was taken (or the stage ended: a bug)
+                # A failed copy to the device (the stage's item_errors): an
+                # error at its batch only, and the stage goes on.
+                batch = _FailedCopy(exc)
+            if failed is None and epoch.failed and index in epoch.failed:
+                # The stage skipped this batch (its transform raised) and
+                # the ones after it recorded with it; it delivers in order
+                # and records a skip before delivering past it, so what it
+                # delivered is the first one after them.
+                position = index + 1
+                while position in epoch.failed:
+                    position += 1
+                self._pending = (position, batch)
+                failed = epoch.failed.pop(index)
+            elif failed is None and isinstance(batch, _FailedCopy):
+                failed = (batch.error, epoch.warnings.pop(index, []), False)
         if failed is not None:
             # Raised outside the except clause: the plain DataLoader's
             # exception has no StopIteration as its context.

@@ -513,6 +513,7 @@ def staged(
     _min_threads: int = 1,
     _tuning_memory: Optional[dict] = None,
     _any_structure: bool = False,
+    _item_errors: bool = False,
 ) -> Stage:
     """Produce the items of ``source`` ahead of the consumer, in C++ threads.
 
@@ -674,6 +675,7 @@ def staged(
             stream_id=stage_subgraph_stream_id,
             put_timeout_ms=put_timeout_millis,
             any_structure=bool(_any_structure),
+            item_errors=bool(_item_errors),
             **tuning,
         ),
     )

@@ -607,6 +607,7 @@ void init_stage(py::module_& m) {
                       int64_t stream_id,
                       std::optional<int64_t> put_timeout_ms,
                       int64_t join_timeout_ms,
+                      bool item_errors,
                       bool auto_tune,
                       int64_t min_threads,
                       int64_t initial_threads,
@@ -628,6 +629,7 @@ void init_stage(py::module_& m) {
             options.device = parse_device(device);
             options.stream_id = stream_id;
             options.put_timeout_ms = put_timeout_ms;
+            options.item_errors = item_errors;
             options.join_timeout = std::chrono::milliseconds(join_timeout_ms);
             options.auto_tune = auto_tune;
             options.min_threads = min_threads;
@@ -674,6 +676,7 @@ void init_stage(py::module_& m) {
           py::arg("stream_id"),
           py::arg("put_timeout_ms"),
           py::arg("join_timeout_ms"),
+          py::arg("item_errors") = false,
           py::arg("auto_tune") = false,
           py::arg("min_threads") = 1,
           py::arg("initial_threads") = 1,

@@ -43,6 +43,11 @@ int64_t now_ns() {
       .count();
 }
 
+// Whether an error item ends its stage (see ItemError::ends_stage).
+bool ends_stage(const StageItem& item) {
+  return !item.error || item.error->ends_stage;
+}
+
 // The calling thread's CPU time; 0 where the clock is missing (the tuner
 // then treats inline production as unmeasured).
 int64_t thread_cpu_ns() {
@@ -681,8 +686,13 @@ struct Stage::State : std::enable_shared_from_this<State> {
           return o;
         });
       });
+      if (outcome == Outcome::kError && options.item_errors) {
+        item.error = std::make_shared<ItemError>(
+            ItemError{item.error->message, item.error->detail, false});
+      }
     }
-    if (outcome == Outcome::kEnd || outcome == Outcome::kError) {
+    if (outcome == Outcome::kEnd ||
+        (outcome == Outcome::kError && ends_stage(item))) {
       std::lock_guard<std::mutex> lock(source_mu);
       end_source(item.index);
     }
@@ -732,7 +742,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       if (error_put || index > cutoff.load()) {
         return true; // after the end or a failure: not delivered
       }
-      if (outcome == Outcome::kError) {
+      if (outcome == Outcome::kError && ends_stage(item)) {
         error_put = true;
       }
     }
@@ -744,7 +754,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
         return true;
       case Outcome::kError:
         ++errors;
-        failed.store(true);
+        if (ends_stage(item)) {
+          failed.store(true);
+        }
         break;
       case Outcome::kItem:
         break;

@@ -78,6 +78,9 @@ struct ItemError {
   // Owner-specific detail (the Python exception object for Python work);
   // its deleter knows how to release it from any thread.
   std::shared_ptr<void> detail;
+  // The stage's contract: an error ends it (later items are not delivered).
+  // False only for a failed copy under StageOptions::item_errors.
+  bool ends_stage = true;
 };
 
 // One item on its way from the source to a consumer.
@@ -199,6 +202,11 @@ struct StageOptions {
   std::optional<c10::Device> device; // device staging target
   int64_t stream_id = 0; // staging stream (0: the consumer's stream)
   std::optional<int64_t> put_timeout_ms; // opt-in discard-on-timeout
+  // A failed copy to the device is an error at its item only: consumers
+  // raise it there and then take the items after it (the DataLoader's
+  // contract: the plain one raises a failed pin_memory at its batch and goes
+  // on). Errors of the source and the transform still end the stage.
+  bool item_errors = false;
   std::chrono::milliseconds join_timeout{10000};
   // Auto-tuning: threads in [min_threads, num_threads] starting at
   // initial_threads; capacity in [capacity, max_capacity], and at most

@@ -44,6 +44,9 @@ class CountingWork : public StageWork {
       return Outcome::kError;
     }
     item.tensors = {at::full({1}, index, at::kLong)};
+    if (index == meta_at) { // no data: its copy to a device fails
+      item.tensors[0] = item.tensors[0].to(at::kMeta);
+    }
     return Outcome::kItem;
   }
 
@@ -74,6 +77,7 @@ class CountingWork : public StageWork {
   int64_t sleep_us = 0;
   int64_t process_sleep_us = 0;
   int64_t fail_at = -1;
+  int64_t meta_at = -1;
   bool skip_threes = false;
   bool jitter = false;
   bool block_forever = false;
@@ -170,6 +174,23 @@ TEST(Stage, AnErrorArrivesAtItsPositionAfterTheItemsBefore) {
   EXPECT_EQ(out, expected);
   EXPECT_TRUE(stage.failed());
   EXPECT_EQ(stage.stats().errors, 1);
+}
+
+TEST(Stage, AFailedCopyEndsTheStageUnlessItemErrorsIsSet) {
+  for (const bool item_errors : {false, true}) {
+    auto work = std::make_shared<CountingWork>(60);
+    work->meta_at = 25;
+    work->jitter = true;
+    auto o = options(2, 4);
+    o.device = c10::Device(c10::kCPU);
+    o.item_errors = item_errors;
+    Stage stage(o, work);
+    auto expected = iota(item_errors ? 60 : 26);
+    expected[25] = -1; // the error item
+    EXPECT_EQ(drain(stage), expected) << "item_errors=" << item_errors;
+    EXPECT_EQ(stage.failed(), !item_errors);
+    EXPECT_EQ(stage.stats().errors, 1);
+  }
 }
 
 TEST(Stage, CloseWakesConsumersAndJoinsProducers) {

@@ -206,6 +206,36 @@ def test_bad_staging_arguments_fail_at_construction():
         torch_stage.DataLoader(Squares()).load_state_dict({"consumed": 3})
 
 
+@pytest.mark.parametrize(
+    "key, value, error, text",
+    [
+        ("capacity", 0, ValueError, r"capacity must be >= 1 \(or None: auto-tuned\), got 0"),
+        ("num_threads", 0, ValueError, "num_threads must be >= 1"),
+        ("autotune", "yes", TypeError, "autotune must be a bool, got 'yes'"),
+        ("timeout_millis", 0, ValueError, "timeout_millis must be > 0, got 0"),
+        ("stage_subgraph_stream_id", -1, ValueError, "stage_subgraph_stream_id must be in"),
+        ("transform", 3, TypeError, "transform must be callable"),
+        ("device", "cuda:9", ValueError, "does not exist"),
+        ("name", 3, TypeError, "name must be a non-empty str"),
+    ],
+)
+def test_a_bad_staging_option_fails_at_assignment(key, value, error, text):
+    # Not at the next iter(), far from the line that set it.
+    loader = torch_stage.DataLoader(Squares(), batch_size=4)
+    before = getattr(loader, key)
+    with pytest.raises(error, match=text):
+        setattr(loader, key, value)
+    assert getattr(loader, key) == before
+    assert len(list(loader)) == len(loader)
+
+
+def test_a_good_staging_option_set_after_construction_stages():
+    loader = torch_stage.DataLoader(Squares(), batch_size=4)
+    loader.capacity, loader.num_threads, loader.name = 3, 2, None
+    assert len(list(loader)) == len(loader)
+    assert loader.stats()["capacity"] == 3 and loader.stats()["threads"] == 2
+
+
 def test_is_a_torch_dataloader():
     loader = torch_stage.DataLoader(Squares(), batch_size=8)
     assert isinstance(loader, tud.DataLoader)

@@ -455,6 +455,16 @@ def _outside_accelerate_stacklevel(frame) -> int:
     return level
 
 
+def _check_staging_options(options: dict) -> None:
+    """Raises what staged() raises for these staging options (a name of
+    None is the loader's default)."""
+    staged(
+        (),
+        **{k: v for k, v in options.items() if k != "name"},
+        name=options.get("name") or "dataloader",
+    ).close()
+
+
 def _check_plain_numbers(num_workers, timeout, prefetch_factor) -> None:
     """The plain DataLoader's first checks, in its order, with its exception
     types and conditions, and messages that also name the bad value (the
@@ -584,17 +594,18 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     ):
         # Validate the staging options now, before any thread or worker
         # exists, with the same rules staged() applies.
-        staged(
-            (),
-            capacity=capacity,
-            num_threads=num_threads,
-            autotune=autotune,
-            stage_subgraph_stream_id=stage_subgraph_stream_id,
-            transform=transform,
-            timeout_millis=timeout_millis,
-            device=device,
-            name=name or "dataloader",
-        ).close()
+        _check_staging_options(
+            dict(
+                capacity=capacity,
+                num_threads=num_threads,
+                autotune=autotune,
+                stage_subgraph_stream_id=stage_subgraph_stream_id,
+                transform=transform,
+                timeout_millis=timeout_millis,
+                device=device,
+                name=name,
+            )
+        )
         _check_plain_numbers(num_workers, timeout, prefetch_factor)
         if _PLAIN_HAS_IN_ORDER:
             loader_kwargs["in_order"] = in_order
@@ -652,6 +663,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         self._prepared: Optional[_SkippingSampler] = None
         self._epoch: Optional[dict] = None  # the epoch in progress
         self._resume: Optional[dict] = None  # set by load_state_dict
+        if self.__dict__.get("_init_depth", 0) == 0:  # else: _claim_options
+            self.__dict__["_check_assignments"] = True
+
+    def __setattr__(self, name: str, value) -> None:
+        # A staging option set after construction is checked here, with
+        # staged()'s rules, not at the next iter(), far from the line that
+        # set it. Not while constructing (checked as arguments, and a
+        # subclass may take a name for its own), nor a subclass's own name.
+        if (
+            name in STAGING_OPTIONS
+            and self.__dict__.get("_check_assignments", False)
+            and name not in self.__dict__["_subclass_options"]
+        ):
+            _check_staging_options({**self.staging_options(), name: value})
+        super().__setattr__(name, value)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -685,6 +711,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         for key, value in given.items():
             if key not in mine and self.__dict__.get(key, value) is not value:
                 mine.add(key)
+        self.__dict__["_check_assignments"] = True
 
     def _staging_option(self, key: str):
         """A staging option: the attribute of its name, which a user (or a

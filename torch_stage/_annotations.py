@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 import warnings
 from typing import List, Optional, Union
@@ -19,6 +20,7 @@ from typing import List, Optional, Union
 import torch
 
 from torch_stage import _C
+from torch_stage._checks import is_int
 
 #: The most streams a pool may have (counting the caller's): PyTorch's CUDA
 #: pool hands out 32 streams per priority round robin, so a 33rd would alias
@@ -205,10 +207,14 @@ def stream(index: int):
             return a + b
     """
     if isinstance(index, bool) or not isinstance(index, int):
-        raise TypeError(
-            f"torch_stage.stream(index): index must be an int, "
-            f"got {type(index).__name__} ({index!r})"
-        )
+        # Plain ints (what Dynamo traces) skip this: numpy ints are taken as
+        # ints, as Python's own int checks (operator.index) take them.
+        if not is_int(index):
+            raise TypeError(
+                f"torch_stage.stream(index): index must be an int, "
+                f"got {type(index).__name__} ({index!r})"
+            )
+        index = operator.index(index)
     if torch.compiler.is_compiling():
         _count_if_exporting()
         # Dynamo traces this branch: no thread-local state, no pool size.
@@ -320,10 +326,11 @@ def colocate_with(x: Union[torch.Tensor, torch.fx.Proxy, torch.fx.Node]):
 
 
 def _check_num_streams(num_streams) -> int:
-    if isinstance(num_streams, bool) or not isinstance(num_streams, int):
+    if not is_int(num_streams):
         raise TypeError(
             f"num_streams must be an int, got {type(num_streams).__name__} ({num_streams!r})"
         )
+    num_streams = operator.index(num_streams)
     if not 1 <= num_streams <= MAX_STREAMS:
         raise ValueError(
             f"num_streams must be in 1..{MAX_STREAMS}, got {num_streams}: PyTorch's "

@@ -12,6 +12,7 @@ A batch of serialized records travels as a :class:`RecordBatch`: one flat
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Union
@@ -175,15 +176,15 @@ def _check_dtype(dtype) -> int:
 
 
 def _check_shape(shape) -> List[int]:
-    if isinstance(shape, int) and not isinstance(shape, bool):
+    if is_int(shape):
         shape = [shape]
     if not isinstance(shape, (list, tuple, torch.Size)):
         raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
     out = []
     for d in shape:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        if not is_int(d) or d < 0:
             raise ValueError(f"shape dimensions must be ints >= 0, got {list(shape)!r}")
-        out.append(d)
+        out.append(operator.index(d))
     count = 1
     for d in out:
         count *= d
@@ -214,8 +215,10 @@ def _check_int64s(values: List, what: str) -> None:
 def _flat_numbers(value, what: str) -> List:
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).tolist()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [value]
+    if is_int(value):
+        return [operator.index(value)]
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return [float(value)]
     if isinstance(value, (list, tuple)):
         flat: List = []
         for v in value:
@@ -483,10 +486,10 @@ def _encode_value(key: str, value):
         if value.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.bool):
             return _INT64, value.reshape(-1).to(torch.int64).tolist()
         raise TypeError(f"feature '{key}': cannot encode a {value.dtype} tensor")
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, bool) or is_int(value):
         return _INT64, [int(value)]
-    if isinstance(value, float):
-        return _FLOAT, [value]
+    if isinstance(value, numbers.Real):  # numpy's floats too
+        return _FLOAT, [float(value)]
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(
@@ -495,9 +498,9 @@ def _encode_value(key: str, value):
             )
         if all(isinstance(v, (bytes, bytearray, memoryview, str)) for v in value):
             return _BYTES, [v.encode() if isinstance(v, str) else bytes(v) for v in value]
-        if all(isinstance(v, (int, bool)) for v in value):
+        if all(isinstance(v, bool) or is_int(v) for v in value):
             return _INT64, [int(v) for v in value]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
             return _FLOAT, [float(v) for v in value]
     raise TypeError(
         f"feature '{key}': cannot encode {value!r}; use bytes, numbers, lists of them or tensors"

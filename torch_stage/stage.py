@@ -8,6 +8,7 @@ import collections
 import contextlib
 import copy
 import itertools
+import operator
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from torch_stage import _C, _pytree
-from torch_stage._checks import MAX_STAGE_THREADS, MAX_THREADS, check_int
+from torch_stage._checks import MAX_STAGE_THREADS, MAX_THREADS, check_int, is_int
 from torch_stage.errors import StageTimeoutError
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
@@ -463,21 +464,18 @@ class _Cursor:
 
     def load(self, state: dict) -> None:
         position = state.get("position")
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        if not is_int(position) or position < 0:
             raise ValueError(f"the state's position must be an int >= 0, got {position!r}")
+        position = operator.index(position)
         base = 0
         if self.kind == "stateful":
             base = state.get("source_position")
-            if (
-                isinstance(base, bool)
-                or not isinstance(base, int)
-                or not 0 <= base <= position
-                or "source_state" not in state
-            ):
+            if not is_int(base) or not 0 <= base <= position or "source_state" not in state:
                 raise ValueError(
                     "a stateful source's state needs source_state and a source_position "
                     f"in [0, position={position}], got {base!r}"
                 )
+            base = operator.index(base)
             self._source.load_state_dict(copy.deepcopy(state["source_state"]))
         with self._lock:
             self._pulled = position

@@ -18,7 +18,9 @@ import psutil
 import pytest
 import torch
 import torch.utils.data as tud
+from conftest import devices
 from reliability.probes import stage_threads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_stage
 
@@ -238,22 +240,25 @@ class MetaBatches(tud.Dataset):
         return torch.tensor([i], device="meta" if i // 4 in self.bad else "cpu")
 
 
-def collate_to_cpu(items):
-    return tud.default_collate(items).to("cpu")
+def collate_to(device):
+    return lambda items: tud.default_collate(items).to(device)
 
 
 @timeout
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("cls_staging", LOADERS)
-def test_a_failed_copy_to_the_device_raises_for_its_batch_and_the_epoch_goes_on(cls_staging):
+def test_a_failed_copy_to_the_device_raises_for_its_batch_and_the_epoch_goes_on(
+    cls_staging, device
+):
     # The plain DataLoader raises an error of pin_memory (its last step of a
     # batch) at that batch and goes on; ours copies to `device` last. Here
     # the copy fails for the meta batches; the plain class fails there in
     # collate_fn.
     cls, staging = cls_staging
     if cls is PLAIN:
-        made = PLAIN(MetaBatches(), batch_size=4, collate_fn=collate_to_cpu)
+        made = PLAIN(MetaBatches(), batch_size=4, collate_fn=collate_to(device))
     else:
-        made = cls(MetaBatches(), batch_size=4, device="cpu", **staging)
+        made = cls(MetaBatches(), batch_size=4, device=device, **staging)
     it = iter(made)
     got = outcomes(it, 3)
     if cls is not PLAIN:
@@ -265,6 +270,33 @@ def test_a_failed_copy_to_the_device_raises_for_its_batch_and_the_epoch_goes_on(
     batches = [o[1] for o in got if o[0] == "batch"]
     assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 23]]
     assert all("meta" in o[2] for o in got if o[0] == "error")
+
+
+class PassThrough(TorchDispatchMode):
+    """Runs every op as it is, in Python: what torch.cuda._sanitizer (CSAN)
+    and tensor subclasses do, so an op's error crosses Python inside C++."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@timeout
+@pytest.mark.parametrize("cls_staging", LOADERS)
+def test_a_failed_copy_under_a_python_dispatch_mode_raises_for_its_batch(cls_staging):
+    # The copy's error comes back as a Python error inside the stage's C++
+    # (found by CSAN on a GPU): its message must survive, and the Python
+    # error state must not be left set on the thread, where it surfaced at
+    # a later, unrelated call.
+    cls, staging = cls_staging
+    with PassThrough():
+        if cls is PLAIN:
+            made = PLAIN(MetaBatches(), batch_size=4, collate_fn=collate_to("cpu"))
+        else:
+            made = cls(MetaBatches(), batch_size=4, device="cpu", **staging)
+        got = outcomes(iter(made), 8)
+    kinds = ["batch", "batch", "error", "batch", "error", "batch", "end", "end"]
+    assert [o[0] for o in got] == kinds
+    assert all("Cannot copy out of meta tensor" in o[2] for o in got if o[0] == "error")
 
 
 def refuse_nine_on_cpu(batch):

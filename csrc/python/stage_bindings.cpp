@@ -10,6 +10,7 @@
 // Python objects held by items and by the work are released with the GIL,
 // from whichever thread drops them; after interpreter finalisation has begun
 // they are leaked instead (touching the interpreter then is undefined).
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -206,6 +207,26 @@ class PyStageWork final : public StageWork {
 
   int64_t item_bytes() const override {
     return item_bytes_.load();
+  }
+
+  std::string explain(const std::exception_ptr& error) const override {
+    try {
+      std::rethrow_exception(error);
+    } catch (python_error& e) {
+      // Python code inside an op failed: its error is still set on this
+      // thread, where the next Python call would raise it instead of its
+      // own result (a later batch's next(), or a producer's pull).
+      AcquiredGil gil;
+      e.persist();
+      const char* type = e.type != nullptr
+          ? reinterpret_cast<PyTypeObject*>(e.type)->tp_name
+          : "python_error";
+      return c10::str(type, ": ", e.what());
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return StageWork::explain(error);
+    }
   }
 
  private:

@@ -43,6 +43,20 @@ int64_t now_ns() {
       .count();
 }
 
+} // namespace
+
+std::string StageWork::explain(const std::exception_ptr& error) const {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+namespace {
+
 // Whether an error item ends its stage (see ItemError::ends_stage).
 bool ends_stage(const StageItem& item) {
   return !item.error || item.error->ends_stage;
@@ -557,8 +571,8 @@ struct Stage::State : std::enable_shared_from_this<State> {
       return fn();
     } catch (const c10::Error& e) {
       why = e.what_without_backtrace(); // the C++ backtrace is noise here
-    } catch (const std::exception& e) {
-      why = e.what();
+    } catch (const std::exception&) {
+      why = work->explain(std::current_exception());
     }
     item.error = std::make_shared<ItemError>(ItemError{
         c10::str(

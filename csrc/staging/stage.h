@@ -126,6 +126,12 @@ class StageWork {
   virtual int64_t item_bytes() const {
     return -1;
   }
+  // What the error item of a step that threw `error` says. The copy to the
+  // device runs ops that may run Python code (a __torch_dispatch__ mode such
+  // as torch.cuda._sanitizer, a tensor subclass), whose error only the work
+  // can read, and must take off the thread. Called on the thread that
+  // caught it, without the GIL. Default: what().
+  virtual std::string explain(const std::exception_ptr& error) const;
 };
 
 // A named budget for stage work (add_stage_thread_pool): how many producers

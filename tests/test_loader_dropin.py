@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from typing import List
 
 import psutil
@@ -325,6 +326,35 @@ def test_a_failed_copy_right_after_a_transform_error_raises_in_order(cls_staging
     assert [o[0] for o in got] == kinds
     assert got[2][1] is TypeError and "meta" in got[3][2]
     assert [o[1] for o in got if o[0] == "batch"][2:] == [[16, 17, 18, 19], [20, 21, 22, 23]]
+
+
+@timeout
+@pytest.mark.parametrize(
+    "transform", [None, refuse_nine_on_cpu], ids=["copy", "transform-then-copy"]
+)
+def test_an_iterator_dropped_after_a_copy_error_goes_without_the_collector(transform):
+    # Its threads stop when it goes; a cycle through the exception's frames
+    # would keep it until the garbage collector runs.
+    made = torch_stage.DataLoader(
+        MetaBatches(bad=(3,)), batch_size=4, device="cpu", num_threads=1, transform=transform
+    )
+    errors = 0
+    gc.disable()
+    try:
+        it = iter(made)
+        for _ in range(6):
+            try:
+                next(it)
+            except torch_stage.StageError:
+                errors += 1
+            except TypeError:  # the transform's
+                errors += 1
+        assert errors == (2 if transform else 1)
+        gone = weakref.ref(it)
+        del it
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @timeout

@@ -1064,7 +1064,9 @@ class _LoaderIter:
                     raise  # no batch was taken (or the stage ended: a bug)
                 # A failed copy to the device (the stage's item_errors): an
                 # error at its batch only, and the stage goes on.
-                batch = _FailedCopy(exc)
+                # Without its traceback, whose frames (this one) would hold
+                # the iterator while it is pending.
+                batch = _FailedCopy(exc.with_traceback(None))
             if failed is None and epoch.failed and index in epoch.failed:
                 # The stage skipped this batch (its transform raised) and
                 # the ones after it recorded with it; it delivers in order
@@ -1089,7 +1091,7 @@ class _LoaderIter:
                 # The traceback holds this frame: a local naming the
                 # exception would be a cycle keeping the iterator (and its
                 # threads and workers) alive until the garbage collector runs.
-                exc = failed = None
+                exc = failed = batch = None
         records = epoch.warnings.pop(index, None)
         # Counted first: under an "error" filter the warning raises instead
         # of the batch, which the plain DataLoader has then used up too.

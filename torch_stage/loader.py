@@ -1019,8 +1019,6 @@ class _LoaderIter:
         if failed is None and self._pending is not None:
             batch = self._pending[1]
             self._pending = None
-            if isinstance(batch, _FailedCopy):
-                failed = (batch.error, epoch.warnings.pop(index, []), False)
         elif failed is None:
             if self._stage is None:
                 # The first batch of an epoch, and the one after an error in
@@ -1077,8 +1075,9 @@ class _LoaderIter:
                     position += 1
                 self._pending = (position, batch)
                 failed = epoch.failed.pop(index)
-            elif failed is None and isinstance(batch, _FailedCopy):
-                failed = (batch.error, epoch.warnings.pop(index, []), False)
+        if failed is None and isinstance(batch, _FailedCopy):
+            # Delivered now, or pending after the transform errors before it.
+            failed = (batch.error, epoch.warnings.pop(index, []), False)
         if failed is not None:
             # Raised outside the except clause: the plain DataLoader's
             # exception has no StopIteration as its context.

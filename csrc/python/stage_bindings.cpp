@@ -222,8 +222,6 @@ class PyStageWork final : public StageWork {
           ? reinterpret_cast<PyTypeObject*>(e.type)->tp_name
           : "python_error";
       return c10::str(type, ": ", e.what());
-    } catch (const std::exception& e) {
-      return e.what();
     } catch (...) {
       return StageWork::explain(error);
     }

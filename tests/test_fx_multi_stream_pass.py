@@ -3,6 +3,7 @@
 import copy
 import io
 import operator
+import sys
 
 import pytest
 import torch
@@ -535,6 +536,44 @@ def test_a_plan_with_an_argument_traced_as_none_pickles_and_refuses_a_value(keyw
         assert torch.equal(plan(x), model(x))
         with pytest.raises(AssertionError, match="mask has been specialized to have value None"):
             plan(x, mask=mask)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: Python 3.11")
+@pytest.mark.parametrize("examples", ["none", "with_mask"])
+def test_an_optional_argument_traced_as_given_and_left_none_is_named_in_the_error(examples):
+    # Without examples torch.fx traces mask as given, and forward's branch
+    # for a mask is in the graph; so it is when the examples give one. A
+    # call without it fails inside the generated code, as it does in plain
+    # torch.fx, and the error now says why and what to do.
+    model = _Optional().eval()
+    x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    kwargs = {}
+    if examples == "with_mask":
+        kwargs = {"example_inputs": (x,), "example_kwargs": {"mask": mask}}
+    gm = torch_stage.multi_stream(model, num_streams=2, **kwargs)
+    assert torch.equal(gm(x, mask), model(x, mask))
+    with pytest.raises(TypeError) as plain:
+        torch.fx.symbolic_trace(model)(x)
+    for call in (lambda: gm(x), lambda: gm(x, None), lambda: gm(x, mask=None)):
+        with pytest.raises(type(plain.value)) as ours:
+            call()
+        notes = "\n".join(getattr(ours.value, "__notes__", []))
+        assert "mask is None in this call" in notes, notes
+        assert "example_kwargs" in notes
+    # An error with mask given says nothing of it.
+    with pytest.raises(RuntimeError) as other:
+        gm(torch.randn(4, 3), mask)
+    assert not getattr(other.value, "__notes__", [])
+
+
+def test_an_argument_traced_as_none_and_given_says_how_to_plan_for_it():
+    model = _Optional().eval()
+    x, mask = torch.randn(4, 8), torch.rand(4, 8) > 0.5
+    gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x,))
+    with pytest.raises(AssertionError, match=r"mask has been specialized.*example_kwargs"):
+        gm(x, mask)
+    with pytest.raises(torch.jit.Error, match=r"mask has been specialized.*example_kwargs"):
+        torch.jit.script(gm)(x, mask)
 
 
 class _VarArgs(nn.Module):

@@ -84,6 +84,14 @@ def _keep_none_inputs(graph: torch.fx.Graph, forward: Any, names) -> None:
     for node in graph.nodes:
         if node.op == "call_function" and node.target is fx_check:
             node.target = check_none
+            value, message = node.args
+            # fx's message says what, not what to do.
+            node.args = (
+                value,
+                f"{message}: it was None in the examples the graph was traced from, so "
+                "the graph holds no branch for a value; trace or plan with examples that "
+                "give it (example_inputs / example_kwargs)",
+            )
     placeholders = [
         n for n in graph.nodes if n.op == "placeholder" and not n.target.startswith("*")
     ]

@@ -43,7 +43,12 @@ from torch_stage.cuda_graphs import CUDAGraphModule, check_cuda_graphs
 from torch_stage.errors import MultiStreamTraceError
 from torch_stage.fx import _ops
 from torch_stage.fx.analysis import GraphAnalysis
-from torch_stage.fx.annotate import AnnotatingTracer, bind_examples, examples_by_position
+from torch_stage.fx.annotate import (
+    AnnotatingTracer,
+    bind_examples,
+    check_none,
+    examples_by_position,
+)
 from torch_stage.fx.classify import ALIAS, CONST, DEVICE, HOST_META, INPUT, OUTPUT
 from torch_stage.fx.stream_plan import StreamPlan, plan
 
@@ -375,6 +380,7 @@ def _graph_module_call(self, *args, **kwargs):
     try:
         return _module_call(self, *args, **kwargs)
     except Exception as exc:
+        _note_arguments_traced_as_given(self, args, kwargs, exc)
         _report_generated_code(exc)
         raise
 
@@ -391,8 +397,52 @@ def _finishing_call(self, *args, **kwargs):
     except BaseException as exc:
         _C._stream_abort_runs(depth)
         if isinstance(exc, Exception):
+            _note_arguments_traced_as_given(self, args, kwargs, exc)
             _report_generated_code(exc)
         raise
+
+
+def _note_arguments_traced_as_given(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], exc: Exception
+) -> None:
+    """On an error in forward, name the optional arguments (default None)
+    that this call leaves None but the graph was traced with: planned without
+    examples (torch.fx traces every argument as given) or from examples that
+    gave them. The graph then holds forward's branch for a value (``if mask
+    is not None``), and an op fails on the None.
+
+    A note, not a check before the call (as :class:`_ExampleCallGuard` makes
+    for exported graphs): a torch.fx graph's ops may take the None, as
+    ``F.linear``'s bias does, so refusing every such call would refuse good
+    ones. (Exception notes are Python >= 3.11; before it the error goes on
+    as plain torch.fx raises it.)
+    """
+    add_note = getattr(exc, "add_note", None)
+    graph = getattr(module, "graph", None)
+    if add_note is None or not isinstance(graph, torch.fx.Graph):
+        return
+    traced = [
+        n.target
+        for n in graph.nodes
+        if n.op == "placeholder"
+        and n.args == (None,)
+        and any(user.target is not check_none for user in n.users)
+    ]
+    if not traced:
+        return
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return
+    bound.apply_defaults()
+    for name in traced:
+        if name in bound.arguments and bound.arguments[name] is None:
+            add_note(
+                f"torch_stage: {name} is None in this call, but the plan was traced with "
+                f"{name} given, so the graph holds what forward does with a {name}; for "
+                f"calls without it, plan from examples where {name} is None (leave it out "
+                "of example_inputs / example_kwargs), one plan per case"
+            )
 
 
 def _report_generated_code(exc: Exception) -> None:

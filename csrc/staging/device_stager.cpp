@@ -216,8 +216,8 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(
       candidates.push_back(
           {b.memory.numel(), fits && b.last_copy && !b.last_copy->query()});
     }
-    const HostBufferChoice choice = choose_host_buffer(
-        candidates, bytes, stats_.host_buffers_allocated, producers);
+    const HostBufferChoice choice =
+        choose_host_buffer(candidates, bytes, host_buffers_, producers);
     if (choice.index >= 0) {
       buffer = std::move(free_[choice.index]);
       free_.erase(free_.begin() + choice.index);
@@ -225,6 +225,7 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(
       stats_.host_buffer_waits += choice.wait ? 1 : 0;
     } else {
       ++stats_.host_buffers_allocated;
+      ++host_buffers_;
     }
   }
   if (buffer.memory.defined()) {
@@ -238,10 +239,22 @@ DeviceStager::HostBuffer DeviceStager::acquire_host_buffer(
   // Round up so that items of slightly varying size share buffers.
   const int64_t size =
       std::max<int64_t>(align_up(bytes + bytes / 8, 4096), 4096);
-  buffer.memory = at::empty(
-      {size},
-      at::TensorOptions().dtype(at::kByte).pinned_memory(!device_.is_cpu()));
+  try {
+    buffer.memory = at::empty(
+        {size},
+        at::TensorOptions().dtype(at::kByte).pinned_memory(!device_.is_cpu()));
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --host_buffers_;
+    --stats_.host_buffers_allocated;
+    throw;
+  }
   return buffer;
+}
+
+void DeviceStager::forget_host_buffer() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --host_buffers_;
 }
 
 int DeviceStager::gather_threads(int64_t producers) {
@@ -288,38 +301,58 @@ void DeviceStager::stage(StageItem& item, int64_t producers) {
       });
   if (any_fused) {
     HostBuffer host = acquire_host_buffer(layout.total_bytes, producers);
-    const IntraOpThreads gather(accelerator ? gather_threads(producers) : 1);
-    at::Tensor device_buffer = at::empty(
-        {layout.total_bytes},
-        at::TensorOptions().dtype(at::kByte).device(device_));
-    for (size_t i = 0; i < item.tensors.size(); ++i) {
-      const int64_t offset = layout.offsets[i];
-      if (offset < 0) {
-        continue;
+    // A gather or an allocation that throws (a tensor that cannot be read,
+    // device memory exhausted) leaves the item's tensors as they were and
+    // the buffer unread by any copy: it goes back to the free list. Lost,
+    // it stayed counted among the buffers made, and later gathers waited
+    // for copies as if it existed. (Once the copy is queued, only the
+    // event can throw; the buffer is then dropped, torch's host allocator
+    // keeping its memory until that copy ends.)
+    bool copy_queued = false;
+    try {
+      const IntraOpThreads gather(accelerator ? gather_threads(producers) : 1);
+      at::Tensor device_buffer = at::empty(
+          {layout.total_bytes},
+          at::TensorOptions().dtype(at::kByte).device(device_));
+      TensorBundle staged = item.tensors;
+      for (size_t i = 0; i < staged.size(); ++i) {
+        const int64_t offset = layout.offsets[i];
+        if (offset < 0) {
+          continue;
+        }
+        at::Tensor& t = staged[i];
+        const int64_t bytes = nbytes(t);
+        // The CPU side of the transfer, done in the producer thread without
+        // the GIL: gather into the fused host buffer (any strides).
+        host.memory.narrow(0, offset, bytes)
+            .view(t.scalar_type())
+            .view(t.sizes())
+            .copy_(t);
+        t = device_buffer.narrow(0, offset, bytes)
+                .view(t.scalar_type())
+                .view(t.sizes());
+        ++fused;
       }
-      at::Tensor& t = item.tensors[i];
-      const int64_t bytes = nbytes(t);
-      // The CPU side of the transfer, done in the producer thread without
-      // the GIL: gather into the fused host buffer (any strides).
-      host.memory.narrow(0, offset, bytes)
-          .view(t.scalar_type())
-          .view(t.sizes())
-          .copy_(t);
-      t = device_buffer.narrow(0, offset, bytes)
-              .view(t.scalar_type())
-              .view(t.sizes());
-      ++fused;
-    }
-    device_buffer.copy_(
-        host.memory.narrow(0, 0, layout.total_bytes), /*non_blocking=*/true);
-    if (accelerator) {
-      auto done = std::make_shared<c10::Event>(device_.type());
-      done->record(stream_);
-      host.last_copy = done;
-      item.ready = std::move(done);
+      device_buffer.copy_(
+          host.memory.narrow(0, 0, layout.total_bytes), /*non_blocking=*/true);
+      copy_queued = true;
+      if (accelerator) {
+        auto done = std::make_shared<c10::Event>(device_.type());
+        done->record(stream_);
+        host.last_copy = done;
+        item.ready = std::move(done);
+      }
+      item.tensors = std::move(staged);
+      item.device_storage = std::move(device_buffer);
+    } catch (...) {
+      if (copy_queued) {
+        forget_host_buffer();
+      } else {
+        release_host_buffer(std::move(host));
+      }
+      throw;
     }
     release_host_buffer(std::move(host));
-    item.device_storage = std::move(device_buffer);
   }
   // What did not fuse: large pinned tensors, tensors on other devices or
   // with other layouts.

@@ -165,6 +165,8 @@ class DeviceStager {
   };
   HostBuffer acquire_host_buffer(int64_t bytes, int64_t producers);
   void release_host_buffer(HostBuffer buffer);
+  // A buffer that was made and will not come back (see stage()).
+  void forget_host_buffer();
 
   // Sends the "stage_copy" note for `item` (StreamObserver).
   void note_copy(StageItem& item) const;
@@ -176,6 +178,9 @@ class DeviceStager {
 
   mutable std::mutex mu_;
   std::vector<HostBuffer> free_; // guarded by mu_
+  // Buffers made and not forgotten, free or being gathered into: what
+  // choose_host_buffer counts. Guarded by mu_.
+  int64_t host_buffers_ = 0;
   DeviceStagerStats stats_; // guarded by mu_
 };
 

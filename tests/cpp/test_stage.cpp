@@ -4,7 +4,9 @@
 #include "staging/stage.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <gtest/gtest.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -489,6 +491,60 @@ TEST(DeviceStager, FusesIntoOneBufferAndReusesHostBuffers) {
   EXPECT_EQ(s.host_buffers_allocated, 1);
   EXPECT_EQ(s.host_buffer_reuses, 19);
   EXPECT_EQ(s.host_buffer_waits, 0); // a CPU copy is done when it returns
+}
+
+// Faults injected into aten ops: c10's testing-only dispatch key, switched
+// on for one thread by a guard, runs this fallback in front of every op; it
+// throws for the op named (as a copy out of a tensor that cannot be read,
+// or an allocation of exhausted memory, does) and runs the others.
+std::string injected_fault; // "aten::copy_", "aten::empty", ...
+
+void inject_faults(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  TORCH_CHECK(
+      op.schema().name() != injected_fault, "injected fault: ", injected_fault);
+  c10::impl::ExcludeDispatchKeyGuard next(
+      c10::DispatchKey::TESTING_ONLY_GenericMode);
+  op.callBoxed(stack);
+}
+
+TORCH_LIBRARY_IMPL(_, TESTING_ONLY_GenericMode, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&inject_faults>());
+}
+
+TEST(DeviceStager, AGatherOrAllocationThatThrowsLosesNoHostBuffer) {
+  DeviceStager stager(c10::Device(c10::kCPU), 0, /*fuse_on_cpu=*/true);
+  const at::Tensor source = at::arange(1000, at::kFloat);
+  auto stage_one = [&](const std::string& fault) {
+    StageItem item;
+    item.tensors = {source};
+    if (fault.empty()) {
+      stager.stage(item);
+      return;
+    }
+    injected_fault = fault;
+    c10::impl::IncludeDispatchKeyGuard failing(
+        c10::DispatchKey::TESTING_ONLY_GenericMode);
+    EXPECT_THROW(stager.stage(item), c10::Error);
+    // The item is as it was: its tensor not replaced by a view of a buffer
+    // half written.
+    EXPECT_TRUE(item.tensors[0].is_same(source));
+    EXPECT_FALSE(item.device_storage.defined());
+  };
+  // The first buffer's allocation fails: none is counted as made.
+  stage_one("aten::empty");
+  EXPECT_EQ(stager.stats().host_buffers_allocated, 0);
+  stage_one("");
+  for (int i = 0; i < 5; ++i) {
+    stage_one("aten::copy_");
+  }
+  stage_one("");
+  const auto s = stager.stats();
+  EXPECT_EQ(s.items, 2);
+  // The one buffer went back to the free list after each failed gather:
+  // nothing more was made, and none was lost while still counted (which
+  // made later gathers wait for copies as if all of them existed).
+  EXPECT_EQ(s.host_buffers_allocated, 1);
+  EXPECT_EQ(s.host_buffer_reuses, 6);
 }
 
 TEST(DeviceStager, AGatherTakesAnotherBufferWhileTheCopyBeforeRuns) {

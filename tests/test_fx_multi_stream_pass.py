@@ -414,6 +414,24 @@ def test_a_plan_follows_train_and_eval_where_tracing_froze_the_mode(first):
     assert copied.stream_plan is not None
 
 
+def test_train_and_eval_on_the_plan_leave_the_model_in_that_mode_throughout():
+    # The plan shares the model's submodules, so train()/eval() on it set
+    # theirs; the model's own flag, which its forward reads
+    # (F.dropout(..., self.training)), must follow too, or the model is left
+    # half in eval and trains without its dropout.
+    torch.manual_seed(0)
+    model = _ModeReadingBranches().train()
+    ms = torch_stage.multi_stream(model, num_streams=2)
+    x = torch.randn(8, 16)
+    for mode in (False, True, False, True):
+        ms.train(mode)
+        assert {m.training for m in model.modules()} == {mode}, mode
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        assert torch.equal(ms(x), expected), mode
+
+
 def test_a_graph_that_does_not_read_the_mode_is_planned_once():
     ms = torch_stage.multi_stream(_ModeBlind().eval(), num_streams=2)
     planned = ms.stream_plan

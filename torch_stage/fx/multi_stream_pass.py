@@ -600,10 +600,13 @@ class _ModeSource:
         self.plans: Dict[bool, Optional[torch.fx.GraphModule]] = {module.training: None}
 
     def plan_for(self, mode: bool) -> Optional[torch.fx.GraphModule]:
+        # The result's submodules are the module's own (train() on the
+        # result has set them); the module's own flag, which its forward
+        # may read, and those of submodules the graph does not hold, are
+        # set to match, at every switch: set only when planning, the module
+        # was left in the first mode planned while its submodules moved on.
+        self.module.train(mode)
         if mode not in self.plans:
-            # The result's submodules are the module's own (train() on the
-            # result has set them); the module's own flag is set to match.
-            self.module.train(mode)
             traced = self.stream_pass.trace(self.module)
             self.plans[mode] = (
                 None if traced.code == self.code else self.stream_pass.rewrite(traced)

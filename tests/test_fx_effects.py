@@ -5,6 +5,7 @@ writes checked by the stream sanitizer, not by the planner's own analysis."""
 import copy
 import operator
 import random
+import warnings
 
 import pytest
 import torch
@@ -283,6 +284,54 @@ def test_shared_running_stats_are_ordered_across_streams():
     assert sanitizer.races == []
     torch.testing.assert_close(out, eager(x))
     torch.testing.assert_close(model.mean, eager.mean)
+
+
+def _spectral_norm_hook():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hook version is deprecated
+        return torch.nn.utils.spectral_norm(torch.nn.Linear(8, 8))
+
+
+# torch.nn modules that write their own buffers in training, through ops
+# that the probe can only run with the arguments' shapes (unknown without
+# example inputs): spectral norm's power iteration (torch.mv(..., out=u)),
+# instance norm's running statistics.
+STATEFUL = {
+    "spectral_norm": lambda: torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 8)),
+    "spectral_norm_hook": _spectral_norm_hook,
+    "instance_norm_tracked": lambda: torch.nn.Sequential(
+        torch.nn.Unflatten(1, (4, 2)), torch.nn.InstanceNorm1d(4, track_running_stats=True)
+    ),
+}
+
+
+class _SharedStateful(torch.nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.shared = make()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.shared(self.a(x)).sum() * self.shared(self.b(x)).sum()
+
+
+@pytest.mark.own_sanitizer
+@pytest.mark.parametrize("examples", [False, True], ids=["no_examples", "examples"])
+@pytest.mark.parametrize("make", STATEFUL.values(), ids=list(STATEFUL))
+def test_a_module_writing_its_buffers_is_ordered_with_or_without_examples(make, examples):
+    torch.manual_seed(0)
+    eager = _SharedStateful(make)
+    model = copy.deepcopy(eager)
+    x = torch.randn(4, 8)
+    planned = torch_stage.multi_stream(
+        model, num_streams=4, strategy="min_sync", example_inputs=(x,) if examples else None
+    )
+    with torch_stage.sanitize_streams() as sanitizer:
+        out = planned(x)
+    assert sanitizer.races == []
+    torch.testing.assert_close(out, eager(x))
+    torch.testing.assert_close(dict(model.named_buffers()), dict(eager.named_buffers()))
 
 
 class _BasicConv(torch.nn.Module):

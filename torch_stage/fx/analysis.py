@@ -282,6 +282,12 @@ class GraphAnalysis:
             # renormalises the rows it reads: two lookups into one table
             # both write it).
             writes = writes_module_state(n, self.gm)
+            if writes is None:
+                # Not known: in training, a module that holds buffers is
+                # taken to write them, as spectral norm's power iteration
+                # and instance norm's running statistics do. (At worst, two
+                # calls of one such module then keep their order.)
+                writes = module.training and next(module.buffers(), None) is not None
         self._state_writes[n] = writes
         return writes
 

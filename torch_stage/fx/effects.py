@@ -104,19 +104,21 @@ def aliased_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
     return _aliased_by_schemas(_schemas(n), n.args, n.kwargs)
 
 
-def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> bool:
+def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> Optional[bool]:
     """Whether the ``call_module`` node ``n`` writes its module's own
     parameters or buffers, which are no node of the graph: batch norm's
     running statistics in training, an embedding's rows renormalised in
     place with ``max_norm``. From a run on meta stand-ins, for modules from
-    ``torch.nn`` (a user's module is not run at planning time)."""
+    ``torch.nn``; None where that cannot tell: a user's module (not run at
+    planning time), or one that does not run on stand-ins of unknown shapes
+    (without example inputs: a linear layer under spectral norm)."""
     if n.op != "call_module":
         return False
     module = root.get_submodule(n.target)
     if not type(module).__module__.startswith("torch.nn."):
-        return False
+        return None
     probed = _probe_both(n, module, root)
-    return probed is not None and probed[2]
+    return None if probed is None else probed[2]
 
 
 def _aliased_by_schemas(schemas: Sequence[Any], args: tuple, kwargs: dict) -> List[Any]:

@@ -141,6 +141,46 @@ def test_following_control_flow_leaves_no_trace():
     assert torch.equal(torch.get_rng_state(), state)
 
 
+class _WritesItsWeights(nn.Module):
+    """A forward that constrains its weights in place (max-norm, clamping),
+    through .data, which no autograd version counter sees, and with
+    branches on values, which planning from examples follows by running it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight  # tied: one memory, written once
+
+    def forward(self, x):
+        p, q = self.a(x), self.b(x)
+        self.a.weight.data.mul_(0.5)
+        torch.clamp(self.a.bias.data, -0.1, 0.1, out=self.a.bias.data)
+        if p.sum() > -1e9:
+            return p + q
+        return p - q
+
+
+@pytest.mark.parametrize("shapes", [False, True], ids=["tracing", "tracing_and_shapes"])
+def test_planning_from_examples_leaves_the_parameters_a_forward_writes(shapes):
+    torch.manual_seed(0)
+    module = _WritesItsWeights()
+    eager = copy.deepcopy(module)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if shapes:
+            planned = torch_stage.multi_stream(module, num_streams=2, example_inputs=(x,))
+        else:
+            planned = trace(module, example_inputs=(x,))
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert module.b.weight is module.a.weight
+    for _ in range(2):
+        assert torch.equal(planned(x), eager(x))
+    assert torch.equal(module.a.weight, eager.a.weight)
+
+
 class _BufferOps(nn.Module):
     def __init__(self):
         super().__init__()

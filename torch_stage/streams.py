@@ -100,7 +100,8 @@ def multi_stream(
             control flow on tensor values is decided from real values while
             tracing (the result assumes the same branches), and the default
             cost model uses their shapes (FLOPs and bytes per op). The module
-            runs once on copies of them (random state and buffers restored).
+            runs once on copies of them (random state, buffers and parameters
+            it writes restored).
         example_kwargs: keyword inputs for the same call, by forward's
             argument names (``{"attention_mask": mask}``), with or without
             ``example_inputs``; what is said of those holds for these. The

@@ -4,18 +4,22 @@ The multi-stream pass runs the module on ``example_inputs`` to decide
 control flow while tracing and to measure shapes for the cost model. Those
 runs must not change what the user sees afterwards: gradients are off, the
 random number generators are restored, buffers (batch-norm statistics) are
-put back, and the inputs are copies. Parameters are not copied: a forward
-that writes its own parameters in place is not supported here.
+put back, the inputs are copies, and a parameter that forward writes in place
+(a max-norm constraint, ``self.w.data.clamp_()``) is copied before the first
+op that writes it and put back: all of them copied up front would double the
+model's memory while planning, for a rare forward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["attribute", "clone_inputs", "isolated", "tensors_in"]
+__all__ = ["attribute", "clone_inputs", "isolated", "tensors_in", "written_tensors"]
 
 
 def attribute(root: torch.nn.Module, target: str) -> Any:
@@ -51,9 +55,56 @@ def clone_inputs(value: Any) -> Any:
     return value
 
 
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """The tensors a call of the ATen op ``func`` writes, from its schema
+    (the arguments annotated ``Tensor(a!)``)."""
+    found: List[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if not arg.kwarg_only and i < len(args) else kwargs.get(arg.name)
+        found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return found
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a subclass's wrapper: no storage
+        return None
+
+
+class _KeepParameters(TorchDispatchMode):
+    """Copies each parameter that an op is about to write (through the
+    parameter, ``.data``, a view or ``out=``: by storage, which they share)
+    and puts the copies back in :meth:`restore`."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.unsaved: Dict[Any, List[torch.nn.Parameter]] = {}
+        for p in module.parameters():  # tied ones once
+            key = _storage_key(p)
+            if key is not None:
+                self.unsaved.setdefault(key, []).append(p)
+        self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.unsaved:
+            for t in written_tensors(func, args, kwargs):
+                for p in self.unsaved.pop(_storage_key(t), ()):
+                    self.saved.append((p, p.detach().clone()))
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        for p, value in self.saved:
+            p.detach().copy_(value)
+
+
 @contextlib.contextmanager
 def isolated(module: torch.nn.Module, inputs: Any) -> Iterator[None]:
-    """No gradients, random state and buffers restored on exit."""
+    """No gradients, random state, buffers and written parameters restored
+    on exit."""
     devices = sorted(
         {
             t.device.index or 0
@@ -66,10 +117,13 @@ def isolated(module: torch.nn.Module, inputs: Any) -> Iterator[None]:
         for name, buf in owner._buffers.items():
             if buf is not None:
                 saved.append((owner, name, buf, buf.detach().clone()))
+    keep = _KeepParameters(module)
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         try:
-            yield
+            with keep:
+                yield
         finally:
+            keep.restore()
             for owner, name, buf, copy in saved:
                 owner._buffers[name] = buf
                 buf.copy_(copy)

@@ -45,7 +45,7 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_stage.fx._example import attribute
+from torch_stage.fx._example import attribute, written_tensors
 
 __all__ = [
     "aliased_args",
@@ -267,14 +267,7 @@ class _WriteRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            if not arg.kwarg_only and i < len(args):
-                value = args[i]
-            else:
-                value = kwargs.get(arg.name)
-            self.written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        self.written.extend(written_tensors(func, args, kwargs))
         return func(*args, **kwargs)
 
 

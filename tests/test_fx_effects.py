@@ -334,6 +334,64 @@ def test_a_module_writing_its_buffers_is_ordered_with_or_without_examples(make, 
     torch.testing.assert_close(dict(model.named_buffers()), dict(eager.named_buffers()))
 
 
+class _SharedUnderAutocast(torch.nn.Module):
+    """One module called by two branches (a shared head, tied weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.shared = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.shared(self.a(x)) + self.shared(self.b(x))
+
+
+def _autocast_plans():
+    torch.manual_seed(0)
+    planned = torch_stage.multi_stream(_SharedUnderAutocast(), num_streams=2, strategy="min_sync")
+    assert planned.stream_plan.assignment["shared"] != planned.stream_plan.assignment["shared_1"]
+    # (Not scripted: TorchScript runs the graph without eager autocast on
+    # the CPU, in float32.)
+    torch.manual_seed(0)
+    compiled = torch.compile(_SharedUnderAutocast(), backend="torch_stage")
+    return {"fx": planned, "compile_backend": compiled}
+
+
+@pytest.mark.own_sanitizer
+@pytest.mark.parametrize("kind", ["fx", "compile_backend"])
+def test_autocasts_weight_cache_is_not_shared_across_streams(kind):
+    # Autocast keeps one low-precision copy of each weight per thread, for
+    # the whole region, whatever the stream: the second call of the shared
+    # layer, on another stream, read the copy the first call made, with no
+    # event between them.
+    model = _autocast_plans()[kind]
+    torch.manual_seed(0)
+    eager = _SharedUnderAutocast()  # the same weights
+    x = torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = eager(x)
+        with torch_stage.sanitize_streams() as sanitizer:
+            out = model(x)
+        assert torch.is_autocast_cache_enabled()  # the caller's setting, back
+    assert sanitizer.races == []
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.no_sanitizer
+def test_a_failed_run_gives_autocast_its_cache_back():
+    model = _autocast_plans()["fx"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(4, 3))
+        assert torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        model(torch.randn(4, 8))
+        assert not torch.is_autocast_cache_enabled()  # left as the caller had it
+        torch.set_autocast_cache_enabled(True)
+
+
 class _BasicConv(torch.nn.Module):
     """torchvision's BasicConv2d: conv, batch norm, in-place ReLU."""
 

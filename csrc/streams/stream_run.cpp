@@ -1,5 +1,7 @@
 #include "streams/stream_run.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
@@ -171,6 +173,17 @@ void StreamRun::register_live() {
         tls_runs.end());
     live[id_] = this;
     tls_runs.push_back(id_);
+  }
+  // Autocast keeps one low-precision copy of each weight per thread for the
+  // whole autocast region, whatever the stream: a layer called on two
+  // streams would read, on the second, the copy the first is still
+  // making, with no event between them. For the run each use casts its
+  // own copy (a cast more per reuse within one forward; the cache's gain
+  // is across steps of one region, which join restores). Last here, so a
+  // constructor that throws leaves the setting as it was.
+  if (num_streams_ > 1 && at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+    restore_autocast_cache_ = true;
   }
 }
 
@@ -375,6 +388,12 @@ void StreamRun::finish(const std::vector<int64_t>& streams) {
     if (it != tls_runs.rend()) {
       tls_runs.erase(std::next(it).base());
     }
+  }
+  if (on_owner && restore_autocast_cache_) {
+    // (The setting is thread-local: a run finished by its destructor on
+    // another thread leaves the owner's, which that thread cannot reach.)
+    at::autocast::set_autocast_cache_enabled(true);
+    restore_autocast_cache_ = false;
   }
   if (stream_observer_active()) {
     notify("join", id_, 0, -1, streams, {}, on_owner);

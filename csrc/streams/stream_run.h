@@ -54,6 +54,11 @@
 // raises (torch_stage/fx/multi_stream_pass.py). The destructor still
 // finishes a run nobody finished.
 //
+// Autocast: from fork to join (or abort) a run with side streams turns off
+// autocast's cache of low-precision weight copies on its thread (the cache
+// is per thread, not per stream: a weight cast on one stream would be read
+// from another unordered) and turns it back on if it was on.
+//
 // Threads: a StreamRun belongs to the thread that forked it (the current
 // stream is thread-local); any other thread gets an error. Different runs
 // on different threads are independent: each has its own events.
@@ -170,6 +175,9 @@ class StreamRun : public torch::CustomClassHolder {
   // Fork event, then one exit event per side stream.
   std::vector<c10::Event> own_events_;
   int64_t kept_tensors_ = 0;
+  // The run turned autocast's weight cache off on its thread (see
+  // register_live) and turns it back on when it finishes.
+  bool restore_autocast_cache_ = false;
 };
 
 } // namespace torch_stage

@@ -1,8 +1,10 @@
 """torch_stage.DataLoader: a drop-in torch.utils.data.DataLoader with staging."""
 
+import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -301,6 +303,96 @@ def test_autotune_makes_batches_in_the_loop_when_a_thread_does_not_pay():
     assert "on its CPU: a thread would need a core" in decisions[0], decisions
     first_trial = next(line for line in decisions if ": trying " in line)
     assert int(first_trial.split()[1].rstrip(":")) >= 10, decisions
+
+
+class RandomCrops(torch.utils.data.Dataset):
+    """A read that waits (a thread would pay: its trial comes at once) and
+    an augmentation that draws from a global generator, as torchvision's
+    RandomCrop and RandomHorizontalFlip do from torch's."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+    def __len__(self):
+        return 240
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return i * 1000 + self.draw()
+
+
+_DRAWS = {
+    "torch": lambda: int(torch.randint(0, 1000, ())),
+    "random": lambda: random.randrange(1000),
+    "numpy": lambda: int(np.random.randint(1000)),
+}
+
+
+def _seeded_run(loader_class, draw, **kwargs):
+    """A training loop that draws too (dropout on the CPU), seeded: the
+    batches and the loop's draws, in order."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    loader = loader_class(RandomCrops(draw), batch_size=2, **kwargs)
+    seen = []
+    for batch in loader:
+        time.sleep(0.003)  # the step, which a staging thread overlaps
+        seen.append((batch.tolist(), draw()))
+    return loader, seen
+
+
+@pytest.mark.parametrize("generator", list(_DRAWS))
+def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(generator):
+    # The plain DataLoader makes each batch in next(): the dataset's draws and
+    # the loop's take turns, and a seeded run repeats. A staging thread would
+    # make batches while the loop draws, in an order left to timing; the
+    # tuner, told so, keeps batches in the loop, so the run is the plain
+    # class's, draw for draw.
+    draw = _DRAWS[generator]
+    _, plain = _seeded_run(torch.utils.data.DataLoader, draw)
+    loader, ours = _seeded_run(torch_stage.DataLoader, draw)
+    assert ours == plain
+    s = loader.stats()
+    assert s["threads"] == 0 and s["tuning"]["trials"] == 0, s["tuning"]
+    assert s["inline_items"] >= len(plain) - 1, s
+    reason = "no staging thread: the batches' making and the training loop both draw"
+    assert any(reason in line for line in s["tuning"]["decisions"]), s["tuning"]
+    # The next epoch starts with the limit.
+    for _ in loader:
+        time.sleep(0.003)
+        draw()
+    s = loader.stats()
+    assert s["tuning"]["trials"] == 0 and s["inline_items"] >= len(plain) - 1, s["tuning"]
+    assert reason in s["tuning"]["decisions"][-1], s["tuning"]
+
+
+def test_a_dataset_drawing_alone_still_stages_and_a_thread_asked_for_stages():
+    # Only the dataset draws: pulls happen in order on any thread, so a
+    # thread keeps the run repeatable and the tuner may use one.
+    torch.manual_seed(0)
+    loader = torch_stage.DataLoader(RandomCrops(_DRAWS["torch"]), batch_size=2)
+    first = []
+    for batch in loader:
+        first.append(batch.tolist())
+        time.sleep(0.004)  # a step a thread overlaps with the reads
+    assert loader.stats()["inline_items"] < len(first) - 1, loader.stats()["tuning"]
+    torch.manual_seed(0)
+    plain = [b.tolist() for b in torch.utils.data.DataLoader(RandomCrops(_DRAWS["torch"]), 2)]
+    assert first == plain
+    # Threads asked for are never limited.
+    loader, _ = _seeded_run(torch_stage.DataLoader, _DRAWS["torch"], num_threads=1)
+    assert loader.stats()["inline_items"] == 0
+    # A shuffling sampler draws its seed once, in the epoch's first batch,
+    # which the loop always makes itself: a loop that draws too stages.
+    torch.manual_seed(0)
+    loader = torch_stage.DataLoader(RandomCrops(lambda: 0), batch_size=2, shuffle=True)
+    for _ in loader:
+        time.sleep(0.004)
+        torch.rand(())
+    s = loader.stats()
+    assert s["inline_items"] < len(loader) - 1, s["tuning"]
+    assert not any("draw from" in line for line in s["tuning"]["decisions"]), s["tuning"]
 
 
 def test_the_line_between_waiting_and_computing_in_the_loop_reaches_the_tuner(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import random
 import sys
 import threading
 import warnings
@@ -273,6 +274,127 @@ def _reemit(records) -> None:
 # --- An epoch ----------------------------------------------------------------
 
 
+# next() calls of an epoch during which _GlobalDraws watches (each costs
+# ~40 us then: four readings of the generators' states).
+_WATCHED_BATCHES = 64
+_GENERATORS = ("torch's CPU generator", "Python's random", "NumPy's global generator")
+
+
+def _generator_states() -> tuple:
+    """The states of the global random generators that a dataset, a
+    sampler, a transform or a training loop may draw from."""
+    numpy = sys.modules.get("numpy")
+    np_state = None
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        np_state = (pos, keys.tobytes(), has_gauss, gauss)
+    return (torch.default_generator.get_state(), random.getstate(), np_state)
+
+
+def _drawn_from(before: tuple, after: tuple) -> set:
+    drawn = set()
+    if not torch.equal(before[0], after[0]):
+        drawn.add(0)
+    drawn.update(k for k in (1, 2) if before[k] != after[k])
+    return drawn
+
+
+class _GlobalDraws:
+    """Whether making batches and the training loop draw from one global
+    random generator (torch's CPU one, Python's ``random``, NumPy's).
+
+    The plain DataLoader without workers makes each batch in ``next()``, so
+    the dataset's draws (a random crop) and the loop's (dropout on the CPU)
+    take turns in one order, and a seeded run repeats. A staging thread
+    makes batches while the loop runs: which of the two draws first is then
+    up to timing, and the run does not repeat. (The same holds with workers
+    for a sampler that draws as it yields: it runs in the main process.)
+    Pulls stay in order on any number of threads (the source's lock), but
+    transforms run side by side. So: pulls and the loop drawing from one
+    generator allow no staging thread; transforms drawing allow one. The
+    tuner is told so (``Stage.limit_threads``), and ``decisions`` says why.
+
+    Watched where it can be told: a making on the loop's own thread (the
+    tuner's no-thread setting) and the loop's time between two ``next()``
+    calls, each while nothing is being made on another thread; for the
+    first ``_WATCHED_BATCHES`` batches of an epoch.
+    """
+
+    def __init__(self):
+        self.pull: set = set()  # generators the pulls drew from
+        self.transform: set = set()
+        self.loop: set = set()
+        self.loop_thread: Optional[int] = None
+        self.lock = threading.Lock()
+        self.elsewhere = 0  # makings under way on other threads
+        self.made_elsewhere = 0  # makings begun on other threads, ever
+        self.mark: Optional[tuple] = None  # (states, made_elsewhere)
+        self.watched = 0
+
+    def watching(self) -> bool:
+        return self.watched < _WATCHED_BATCHES
+
+    def stop(self) -> None:
+        """Watch no more (nothing it finds would change what stages)."""
+        self.watched = _WATCHED_BATCHES
+
+    def make(self, kind: set, fn, arg):
+        """``fn(arg)``, a pull or a transform; ``kind``: ``self.pull`` or
+        ``self.transform``, where what it drew goes."""
+        if not self.watching():
+            return fn(arg)
+        if threading.get_ident() != self.loop_thread:
+            with self.lock:
+                self.elsewhere += 1
+                self.made_elsewhere += 1
+            try:
+                return fn(arg)
+            finally:
+                with self.lock:
+                    self.elsewhere -= 1
+        if self.elsewhere:
+            return fn(arg)
+        before, made = _generator_states(), self.made_elsewhere
+        try:
+            return fn(arg)
+        finally:
+            if self.elsewhere == 0 and self.made_elsewhere == made:
+                kind.update(_drawn_from(before, _generator_states()))
+
+    def loop_resumes(self) -> None:
+        """At the start of ``next()``: what the loop drew since the last."""
+        self.loop_thread = threading.get_ident()
+        mark, self.mark = self.mark, None
+        if mark is not None and self.elsewhere == 0 and self.made_elsewhere == mark[1]:
+            self.loop.update(_drawn_from(mark[0], _generator_states()))
+
+    def loop_leaves(self) -> None:
+        """At the end of ``next()``."""
+        self.watched += 1
+        if self.watching() and self.elsewhere == 0:
+            self.mark = (_generator_states(), self.made_elsewhere)
+
+    def limit(self) -> Optional[tuple]:
+        """(most staging threads, why) for what was seen, or None."""
+        both = sorted((self.pull | self.transform) & self.loop)
+        if both:
+            return 0, (
+                f"no staging thread: the batches' making and the training loop both "
+                f"draw from {_GENERATORS[both[0]]}, so a staging thread would leave the "
+                "order of their draws to timing and a seeded run would not repeat "
+                "(give the dataset or sampler a generator of its own, or pass "
+                "num_threads to stage anyway)"
+            )
+        if self.transform:
+            return 1, (
+                f"at most one staging thread: the transform draws from "
+                f"{_GENERATORS[min(self.transform)]}, so transforms side by side would "
+                "leave the order of their draws to timing (pass num_threads to stage "
+                "anyway)"
+            )
+        return None
+
+
 class _Epoch:
     """The plain iterator of an epoch and what has been pulled from it.
 
@@ -297,12 +419,18 @@ class _Epoch:
         # The plain iterator whose worker processes the epoch owns (not
         # persistent ones: the loader keeps those).
         self.workers = None
+        self.draws = _GlobalDraws()
 
-    def pull(self, records: list):
-        """The plain iterator's next batch, recording its warnings."""
+    def pull(self, records: list, watched: bool = True):
+        """The plain iterator's next batch, recording its warnings;
+        ``watched``: by ``self.draws`` (not a run's first batch, which the
+        loop always pulls itself, and in which a sampler draws its seed for
+        the epoch: that draw is in order whatever threads do later)."""
         previous = _start_recording(records)
         try:
-            return next(self.base)
+            if not watched:
+                return next(self.base)
+            return self.draws.make(self.draws.pull, next, self.base)
         finally:
             _end_recording(previous)
             self.pulled += 1
@@ -388,13 +516,14 @@ class _Run:
         Warnings are recorded, as while pulling, for the consumer's next().
         """
         epoch, handled, pulled_by = self.epoch, self.handled, self.pulled_by
+        draws = epoch.draws
 
         def staged_transform(batch):
             index = pulled_by[threading.get_ident()]
             records: list = []
             previous = _start_recording(records)
             try:
-                out = transform(batch)
+                out = draws.make(draws.transform, transform, batch)
             except BaseException as exc:  # noqa: BLE001 (re-raised to the consumer)
                 # Without this frame: it refers to the epoch, which would then
                 # hold itself through the exception until the consumer takes it.
@@ -771,7 +900,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         option = self._staging_option
         autotune = option("autotune")
         capacity = option("capacity")
-        return staged(
+        stage = staged(
             source,
             capacity=2 if capacity is None and not autotune else capacity,
             num_threads=option("num_threads"),
@@ -793,6 +922,21 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             device=option("device"),
             name=option("name") or "dataloader",
         )
+        self._limit_stage(stage)
+        return stage
+
+    def _limit_stage(self, stage: Stage) -> None:
+        """Bound the staging threads auto-tuning may use where a batch's
+        making and the training loop draw from one global generator
+        (_GlobalDraws): only threads left to the tuner; asked for, they
+        stage."""
+        limit = self.__dict__.get("_thread_limit")
+        if limit is not None and self._tuned_threads():
+            stage._impl.limit_threads(*limit)
+
+    def _tuned_threads(self) -> bool:
+        option = self._staging_option
+        return bool(option("autotune")) and option("num_threads") is None
 
     def _next_tuning_memory(self) -> Optional[dict]:
         """What the next epoch's stage starts from: no staging thread, the
@@ -893,6 +1037,9 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             if user_rng is not None:
                 torch.set_rng_state(user_rng)
         epoch = _Epoch(base, self._known_batches(skip))
+        limit = self.__dict__.get("_thread_limit")
+        if not self._tuned_threads() or (limit is not None and limit[0] == 0):
+            epoch.draws.stop()
         if not (self.persistent_workers and self.num_workers > 0):
             epoch.workers = plain
         it = _LoaderIter(self, epoch, self._epoch, getattr(plain, "_workers", None))
@@ -1010,6 +1157,9 @@ class _LoaderIter:
             raise StopIteration
         epoch = self._epoch
         index = self._taken
+        draws = epoch.draws
+        if draws.watching():
+            draws.loop_resumes()
         # Batches that raised on a staging thread, the stage's skipped
         # transform errors and a run's final error, raise at their position.
         failed = epoch.failed.pop(index, None)
@@ -1027,7 +1177,7 @@ class _LoaderIter:
                 # sampler's seed there.
                 records: list = []
                 try:
-                    batch = epoch.pull(records)
+                    batch = epoch.pull(records, watched=False)
                 except StopIteration:
                     _reemit(records)
                     self._finish()
@@ -1095,9 +1245,23 @@ class _LoaderIter:
         # Counted first: under an "error" filter the warning raises instead
         # of the batch, which the plain DataLoader has then used up too.
         self._count()
+        if draws.watching():
+            self._limit_threads(draws.limit())
+            draws.loop_leaves()
         if records:
             _reemit(records)
         return batch
+
+    def _limit_threads(self, limit: Optional[tuple]) -> None:
+        """A limit on staging threads _GlobalDraws found: kept by the loader
+        for its later stages, and applied to this one."""
+        loader = self._loader
+        known = loader.__dict__.get("_thread_limit")
+        if limit is None or (known is not None and known[0] <= limit[0]):
+            return
+        loader._thread_limit = limit
+        if self._stage is not None:
+            loader._limit_stage(self._stage)
 
     def _count(self) -> None:
         self._taken += 1

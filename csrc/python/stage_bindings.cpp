@@ -732,6 +732,14 @@ void init_stage(py::module_& m) {
             }
             return memory_to(*memory);
           })
+      .def(
+          "limit_threads",
+          [](PyStage& s, int64_t max_threads, const std::string& why) {
+            s.stage().limit_threads(max_threads, why);
+          },
+          py::arg("max_threads"),
+          py::arg("why"),
+          py::call_guard<ReleasedGil>())
       .def("describe", [](PyStage& s) { return s.stage().describe(); })
       .def("buffered", [](PyStage& s) { return s.stage().buffered(); })
       .def_property_readonly(

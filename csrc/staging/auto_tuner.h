@@ -348,6 +348,23 @@ class AutoTuner {
     confirming_ = false;
     return true;
   }
+  // From now on at most `max_threads` producer threads (never under
+  // min_threads), for a reason the tuner cannot measure (`why`, logged): a
+  // setting above moves down at once, a trial under way ends.
+  bool set_max_threads(int64_t max_threads, std::string why) {
+    limits_.max_threads = std::max(max_threads, limits_.min_threads);
+    const TunerSetting bounded = clamp(setting_);
+    base_ = clamp(base_);
+    if (bounded == setting_) {
+      record(std::move(why));
+      return false;
+    }
+    change(bounded, std::move(why));
+    last_base_rate_ = 0;
+    trial_ = Move::kNone;
+    confirming_ = false;
+    return true;
+  }
   const TunerLimits& limits() const {
     return limits_;
   }

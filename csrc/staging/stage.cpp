@@ -1252,6 +1252,17 @@ std::vector<std::string> Stage::tuning_log() const {
   return {log.begin(), log.end()};
 }
 
+void Stage::limit_threads(int64_t max_threads, const std::string& why) {
+  State& s = *state_;
+  if (!s.tuner) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(s.tune_mu);
+  if (s.tuner->set_max_threads(max_threads, why)) {
+    s.apply(s.tuner->setting());
+  }
+}
+
 std::optional<TunerMemory> Stage::tuning_memory() const {
   if (!state_->tuner) {
     return std::nullopt;

@@ -351,6 +351,13 @@ class Stage {
   std::string describe() const;
   // The auto-tuner's decisions, oldest first (empty unless auto_tune).
   std::vector<std::string> tuning_log() const;
+  // Auto-tuning uses at most `max_threads` producer threads from now on
+  // (never under min_threads); `why` goes to the tuning log. For what the
+  // tuner cannot measure (torch_stage.DataLoader: a batch's making and the
+  // training loop draw from one global random generator, whose order of
+  // draws a producer thread would leave to timing). A no-op without
+  // auto-tuning. Any thread.
+  void limit_threads(int64_t max_threads, const std::string& why);
   // What the auto-tuner learnt so far, for a later stage of the same work
   // (StageOptions::tuning_memory); nullopt unless auto_tune.
   std::optional<TunerMemory> tuning_memory() const;

@@ -384,6 +384,32 @@ TEST(AutoTuner, OverlappingAWaitIsNotHeldToTheShare) {
   }
 }
 
+TEST(AutoTuner, AThreadLimitEndsATrialAndHoldsFromThenOn) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_TRUE(feed.window(1.0, 0.5)); // trying a thread
+  ASSERT_EQ(tuner.setting().threads, 1);
+  // What the tuner cannot measure says no thread: the trial ends, the
+  // setting goes back to none, and the reason is in the log.
+  EXPECT_TRUE(tuner.set_max_threads(0, "no thread: because"));
+  EXPECT_EQ(tuner.setting().threads, 0);
+  EXPECT_EQ(tuner.log().back(), "no thread: because");
+  // However much the consumer waits, no thread is tried again.
+  for (int w = 0; w < 40; ++w) {
+    EXPECT_FALSE(feed.window(1.0, 0.9)) << "window " << tuner.windows();
+    EXPECT_EQ(tuner.setting().threads, 0);
+  }
+  EXPECT_EQ(tuner.memory().setting.threads, 0);
+  // At the limit already: nothing changes, the reason is logged.
+  EXPECT_FALSE(tuner.set_max_threads(0, "again"));
+  EXPECT_EQ(tuner.log().back(), "again");
+  // Never under the least the stage allows.
+  AutoTuner at_least_one(limits(1, 4), TunerSetting{2, 2});
+  EXPECT_TRUE(at_least_one.set_max_threads(0, "fewer"));
+  EXPECT_EQ(at_least_one.setting().threads, 1);
+}
+
 // The share counts the windows of the runs a memory carries: an epoch of
 // 7 windows tries nothing; the next, resumed, tries at its 3rd (the 10th).
 TEST(AutoTuner, TheShareCountsAcrossResumedRuns) {

@@ -671,6 +671,31 @@ def test_persistent_workers_stay_until_the_loader_goes(cls):
     assert settles_to(before) == before
 
 
+@timeout
+@pytest.mark.workers
+def test_a_new_iterator_that_ends_the_epoch_of_one_in_use_says_so():
+    # The plain class hands back its one iterator, reset: an outer loop
+    # goes on into the new epoch. Here iter() ends the outer loop's epoch,
+    # which it must not do without a word.
+    made = torch_stage.DataLoader(
+        Failing(bad=()), batch_size=2, num_workers=2, persistent_workers=True
+    )
+    outer = iter(made)
+    next(outer)
+    with pytest.warns(UserWarning, match=r"ends the epoch of the iterator before it after 1 batch"):
+        inner = iter(made)
+    assert next(inner).flatten().tolist() == [0, 1]
+    with pytest.raises(StopIteration):
+        next(outer)
+    # An iterator done with its epoch, or dropped, ends silently.
+    list(inner)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in made:
+            break
+        list(made)
+
+
 # --- 5. Read-ahead changes no sampler or RNG draw ----------------------------
 
 

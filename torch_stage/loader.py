@@ -1002,6 +1002,16 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
     def __iter__(self) -> Iterator[_T_co]:
         if self.persistent_workers and self.num_workers > 0:
             # The new epoch resets the workers the previous iterator reads.
+            previous = self._current_iter()
+            if previous is not None and not previous._done:
+                warnings.warn(
+                    "torch_stage.DataLoader: iter() ends the epoch of the iterator before "
+                    f"it after {previous._taken} batch(es): its persistent workers are "
+                    "reset for the new one, and it raises StopIteration from now on (the "
+                    "plain DataLoader hands back the same iterator, reset); finish or "
+                    "drop an iterator before making the next",
+                    stacklevel=2,
+                )
             self.close()
         _install_warning_recorder()
         resume, self._resume = self._resume, None

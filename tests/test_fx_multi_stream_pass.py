@@ -4,6 +4,7 @@ import copy
 import io
 import operator
 import sys
+import warnings
 
 import pytest
 import torch
@@ -592,6 +593,26 @@ def test_an_argument_traced_as_none_and_given_says_how_to_plan_for_it():
         gm(x, mask)
     with pytest.raises(torch.jit.Error, match=r"mask has been specialized.*example_kwargs"):
         torch.jit.script(gm)(x, mask)
+
+
+class _DictInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, d):
+        return self.a(d["u"]) + self.b(d["v"])
+
+
+def test_planning_prints_nothing_of_the_ops_run_on_stand_ins():
+    # The write probe ran d["u"] on a tensor stand-in, and torch's warning
+    # about indexing with a sequence reached the user.
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        gm = torch_stage.multi_stream(_DictInput(), num_streams=2)
+    assert [str(w.message) for w in printed] == []
+    d = {"u": torch.randn(2, 8), "v": torch.randn(2, 8)}
+    assert torch.equal(gm(d), gm.a(d["u"]) + gm.b(d["v"]))
 
 
 class _VarArgs(nn.Module):

@@ -36,6 +36,7 @@ import contextlib
 import inspect
 import operator
 import threading
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -417,7 +418,11 @@ def _probe_with(
     recorder = _WriteRecorder()
     module_state: Dict[str, torch.Tensor] = {}
     try:
-        with recorder:
+        # What an op says of stand-ins (a dict input's stand-in indexed by
+        # a key: "non-tuple sequence for multidimensional indexing") is not
+        # about the user's run; it printed while planning.
+        with recorder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             if n.op == "call_method":
                 result = getattr(args[0], n.target)(*args[1:], **kwargs)
             elif n.op == "call_module":

@@ -615,6 +615,14 @@ def test_planning_prints_nothing_of_the_ops_run_on_stand_ins():
     assert torch.equal(gm(d), gm.a(d["u"]) + gm.b(d["v"]))
 
 
+def test_a_scripted_or_compiled_module_is_refused_with_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(TypeError, match=r"RecursiveScriptModule.*script the result"):
+        torch_stage.multi_stream(torch.jit.script(model))
+    with pytest.raises(TypeError, match=r"OptimizedModule.*_orig_mod.*backend=\"torch_stage\""):
+        torch_stage.multi_stream(torch.compile(model))
+
+
 class _VarArgs(nn.Module):
     def __init__(self):
         super().__init__()

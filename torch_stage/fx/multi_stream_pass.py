@@ -133,6 +133,22 @@ class MultiStreamPass:
             return self.call(module)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"multi_stream needs a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(
+                f"multi_stream needs the Python module, got a {type(module).__name__} "
+                "(TorchScript: what torch.jit.script, trace or load make), which "
+                "torch.fx cannot trace; plan the module first and script the result: "
+                "torch.jit.script(torch_stage.multi_stream(model))"
+            )
+        original = getattr(module, "_orig_mod", None)
+        if isinstance(original, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
+            raise TypeError(
+                "multi_stream needs the Python module, got torch.compile's wrapper "
+                "(OptimizedModule), which torch.fx cannot trace; plan the module itself "
+                "(multi_stream(compiled._orig_mod)), or compile with "
+                'torch.compile(model, backend="torch_stage"), which plans streams in '
+                "what it compiles"
+            )
         if self.example_kwargs:
             bind_examples(module, self.example_inputs, self.example_kwargs)  # fails here, if at all
         traced = self.trace(module)

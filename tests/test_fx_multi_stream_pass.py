@@ -623,6 +623,46 @@ def test_a_scripted_or_compiled_module_is_refused_with_what_to_do():
         torch_stage.multi_stream(torch.compile(model))
 
 
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, flag: bool = False, repeats: int = 1):
+        h = self.a(x)
+        if flag:
+            h = h + 100
+        if repeats > 1:  # a decision on a value made of the argument
+            h = h * repeats
+        return h + self.b(x)
+
+
+def test_a_scalar_argument_that_tracing_branched_on_must_keep_its_example_value():
+    # With examples, `if flag:` and `if repeats > 1:` are decided while
+    # tracing; a call with another flag ran the example's branch silently.
+    import pickle
+
+    model = _Flagged()
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="decided from example_inputs"):
+        gm = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x,))
+    for plan in (gm, copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+        assert torch.equal(plan(x), model(x))
+        assert torch.equal(plan(x, False, 1), model(x))
+        with pytest.raises(AssertionError, match=r"flag has been specialized to False but got True"):
+            plan(x, flag=True)
+        with pytest.raises(AssertionError, match=r"repeats has been specialized to 1 but got 3"):
+            plan(x, repeats=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other = torch_stage.multi_stream(
+            model, num_streams=2, example_inputs=(x, True, 3)
+        )
+    assert torch.equal(other(x, True, 3), model(x, True, 3))
+    with pytest.raises(AssertionError, match=r"flag has been specialized to True but got False"):
+        other(x, repeats=3)
+
+
 class _VarArgs(nn.Module):
     def __init__(self):
         super().__init__()

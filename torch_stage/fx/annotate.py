@@ -183,6 +183,10 @@ class AnnotatingTracer(torch.fx.Tracer):
         self.num_streams = num_streams
         self.example_inputs = None if example_inputs is None else tuple(example_inputs)
         self.specialised: List[str] = []
+        # forward's arguments of a Python scalar value (a bool flag, an int)
+        # that control flow was decided on, by name: their example values,
+        # which the graph holds (the multi-stream pass checks each call).
+        self.fixed_arguments: Dict[str, Any] = {}
         self._base_depth = 0
         self._values: Dict[torch.fx.Node, Any] = {}
         self._inputs: Optional[tuple] = None
@@ -243,6 +247,7 @@ class AnnotatingTracer(torch.fx.Tracer):
         self._values = {}
         self._inputs = None
         self.specialised = []
+        self.fixed_arguments = {}
         assign = torch.nn.Module.__setattr__
 
         def guarded(module: torch.nn.Module, name: str, value: Any) -> None:
@@ -330,17 +335,39 @@ class AnnotatingTracer(torch.fx.Tracer):
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         value = bool(self._concrete(obj, "is used as a condition"))
         self.specialised.append(f"{obj.node.name} (taken as {value})")
+        self._fix_arguments(obj.node)
         return value
 
     def iter(self, obj: torch.fx.Proxy) -> Iterator:
         count = len(self._concrete(obj, "is iterated"))
         self.specialised.append(f"{obj.node.name} (iterated over {count} items)")
+        self._fix_arguments(obj.node)
         return iter([obj[i] for i in range(count)])
 
     def length(self, obj: torch.fx.Proxy) -> int:
         count = len(self._concrete(obj, "is passed to len()"))
         self.specialised.append(f"{obj.node.name} (length {count})")
+        self._fix_arguments(obj.node)
         return count
+
+    def _fix_arguments(self, node: torch.fx.Node) -> None:
+        """Note the arguments of Python scalar values that a decision on
+        ``node`` depends on: the graph holds their examples' branch, which
+        a call can be checked against exactly (a tensor's values cannot)."""
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            value = self._values.get(n)
+            if (
+                n.op == "placeholder"
+                and not n.target.startswith("*")  # unrolled *args: their own guard
+                and type(value) in (bool, int, float, str)
+            ):
+                self.fixed_arguments.setdefault(n.target, value)
+            todo.extend(n.all_input_nodes)
 
     def _concrete(self, obj: torch.fx.Proxy, what: str) -> Any:
         if self.example_inputs is None:

@@ -188,7 +188,10 @@ class MultiStreamPass:
         except Exception as exc:  # noqa: BLE001  (any tracing failure: try export, else explain)
             return self._export(module, name, exc)
         _drop_unmet_return_type(graph)
-        return torch.fx.GraphModule(tracer.root, graph, name)
+        traced = torch.fx.GraphModule(tracer.root, graph, name)
+        if tracer.fixed_arguments:
+            traced.meta[_FIXED_ARGUMENTS] = dict(tracer.fixed_arguments)
+        return traced
 
     def _export(self, module: torch.nn.Module, name: str, exc: Exception) -> torch.fx.GraphModule:
         """Symbolic tracing failed: with example inputs, capture ``module``
@@ -378,6 +381,10 @@ def _drop_unmet_return_type(graph: torch.fx.Graph) -> None:
         out.type = None
 
 
+# GraphModule.meta key: forward's scalar arguments that tracing decided
+# control flow on, with their example values (AnnotatingTracer).
+_FIXED_ARGUMENTS = "torch_stage_fixed_arguments"
+
 _run_depth = _C._stream_run_depth
 _module_call = torch.nn.Module.__call__
 
@@ -501,21 +508,35 @@ class _ExampleCallGuard:
     * ``*args`` and ``**kwargs``: tracing with examples unrolls them, so the
       graph takes as many positional extras and the same keywords as the
       examples had, and ignores any others.
+    * An argument of a Python scalar value (a bool flag, an int) that
+      control flow was decided on while tracing: the graph holds the
+      branch of the example's value, and ran it for any other silently.
     """
 
-    __slots__ = ("signature", "none_names", "given_names", "var_positional", "var_keyword")
+    __slots__ = (
+        "signature",
+        "none_names",
+        "given_names",
+        "var_positional",
+        "var_keyword",
+        "fixed",
+    )
 
-    def __init__(self, signature, none_names, given_names, var_positional, var_keyword):
+    def __init__(
+        self, signature, none_names, given_names, var_positional, var_keyword, fixed=None
+    ):
         self.signature = signature
         self.none_names = none_names
         self.given_names = given_names
         self.var_positional = var_positional  # (name, count) or None
         self.var_keyword = var_keyword  # (name, sorted keys) or None
+        self.fixed = fixed or {}  # name -> the example's value
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self.__slots__}
 
     def __setstate__(self, state):
+        self.fixed = {}  # (pickled before it existed)
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -538,9 +559,10 @@ class _ExampleCallGuard:
                 none_names.append(p.name)
             elif p.default is None:
                 given_names.append(p.name)
-        if not (none_names or given_names or var_positional or var_keyword):
+        fixed = dict(traced.meta.get(_FIXED_ARGUMENTS, {}))
+        if not (none_names or given_names or var_positional or var_keyword or fixed):
             return None
-        return cls(signature, none_names, given_names, var_positional, var_keyword)
+        return cls(signature, none_names, given_names, var_positional, var_keyword, fixed)
 
     def __call__(self, module, args, kwargs):
         try:
@@ -554,6 +576,16 @@ class _ExampleCallGuard:
                     f"the plan was made from examples where {name} was None, and torch.export "
                     f"would ignore it; plan with an example that gives {name} "
                     "(example_inputs / example_kwargs)"
+                )
+        for name, expected in self.fixed.items():
+            got = bound[name] if name in bound else self.signature.parameters[name].default
+            if not (type(got) in (bool, int, float, str) and got == expected):
+                raise AssertionError(
+                    f"{name} has been specialized to {expected!r} but got {got!r}: "
+                    f"control flow in forward was decided on {name} while tracing, from "
+                    f"examples where it was {expected!r}, and the graph holds that branch "
+                    f"only; plan with examples where {name} is {got!r} for such calls "
+                    "(one plan per value)"
                 )
         for name in self.given_names:
             if bound.get(name) is None:

@@ -178,9 +178,10 @@ void StreamRun::register_live() {
   // whole autocast region, whatever the stream: a layer called on two
   // streams would read, on the second, the copy the first is still
   // making, with no event between them. For the run each use casts its
-  // own copy (a cast more per reuse within one forward; the cache's gain
-  // is across steps of one region, which join restores). Last here, so a
-  // constructor that throws leaves the setting as it was.
+  // own copy: a cast more per reuse of a weight within one forward, and,
+  // where one autocast region spans several forwards, per forward (the
+  // usual region of one step clears the cache at every step anyway). Last
+  // here, so a constructor that throws leaves the setting as it was.
   if (num_streams_ > 1 && at::autocast::is_autocast_cache_enabled()) {
     at::autocast::set_autocast_cache_enabled(false);
     restore_autocast_cache_ = true;

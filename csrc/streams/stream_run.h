@@ -54,10 +54,11 @@
 // raises (torch_stage/fx/multi_stream_pass.py). The destructor still
 // finishes a run nobody finished.
 //
-// Autocast: from fork to join (or abort) a run with side streams turns off
-// autocast's cache of low-precision weight copies on its thread (the cache
-// is per thread, not per stream: a weight cast on one stream would be read
-// from another unordered) and turns it back on if it was on.
+// Autocast: from fork to join (or abort, on the owning thread) a run of
+// more than one stream turns off autocast's cache of low-precision weight
+// copies on its thread (the cache is per thread, not per stream: a weight
+// cast on one stream would be read from another unordered) and turns it
+// back on if it was on.
 //
 // Threads: a StreamRun belongs to the thread that forked it (the current
 // stream is thread-local); any other thread gets an error. Different runs

@@ -649,15 +649,13 @@ def test_a_scalar_argument_that_tracing_branched_on_must_keep_its_example_value(
     for plan in (gm, copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
         assert torch.equal(plan(x), model(x))
         assert torch.equal(plan(x, False, 1), model(x))
-        with pytest.raises(AssertionError, match=r"flag has been specialized to False but got True"):
+        with pytest.raises(AssertionError, match="flag has been specialized to False but got True"):
             plan(x, flag=True)
-        with pytest.raises(AssertionError, match=r"repeats has been specialized to 1 but got 3"):
+        with pytest.raises(AssertionError, match="repeats has been specialized to 1 but got 3"):
             plan(x, repeats=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        other = torch_stage.multi_stream(
-            model, num_streams=2, example_inputs=(x, True, 3)
-        )
+        other = torch_stage.multi_stream(model, num_streams=2, example_inputs=(x, True, 3))
     assert torch.equal(other(x, True, 3), model(x, True, 3))
     with pytest.raises(AssertionError, match=r"flag has been specialized to True but got False"):
         other(x, repeats=3)

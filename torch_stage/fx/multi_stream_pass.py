@@ -522,9 +522,7 @@ class _ExampleCallGuard:
         "fixed",
     )
 
-    def __init__(
-        self, signature, none_names, given_names, var_positional, var_keyword, fixed=None
-    ):
+    def __init__(self, signature, none_names, given_names, var_positional, var_keyword, fixed=None):
         self.signature = signature
         self.none_names = none_names
         self.given_names = given_names

@@ -274,8 +274,9 @@ def _reemit(records) -> None:
 # --- An epoch ----------------------------------------------------------------
 
 
-# next() calls of an epoch during which _GlobalDraws watches (each costs
-# ~40 us then: four readings of the generators' states).
+# next() calls of an epoch during which _GlobalDraws watches. A reading of
+# the generators' states takes ~60 us (NumPy's get_state() most of it), a
+# comparison ~15: one each per next() and per batch made in the loop.
 _WATCHED_BATCHES = 64
 _GENERATORS = ("torch's CPU generator", "Python's random", "NumPy's global generator")
 
@@ -310,14 +311,18 @@ class _GlobalDraws:
     up to timing, and the run does not repeat. (The same holds with workers
     for a sampler that draws as it yields: it runs in the main process.)
     Pulls stay in order on any number of threads (the source's lock), but
-    transforms run side by side. So: pulls and the loop drawing from one
-    generator allow no staging thread; transforms drawing allow one. The
-    tuner is told so (``Stage.limit_threads``), and ``decisions`` says why.
+    transforms run side by side. So: pulls or transforms and the loop
+    drawing from one generator allow no staging thread; transforms drawing
+    allow one. The tuner is told so (``Stage.limit_threads``), and
+    ``decisions`` says why.
 
-    Watched where it can be told: a making on the loop's own thread (the
-    tuner's no-thread setting) and the loop's time between two ``next()``
-    calls, each while nothing is being made on another thread; for the
-    first ``_WATCHED_BATCHES`` batches of an epoch.
+    Watched where it can be told, on the loop's own thread: the states are
+    read at the start of each ``next()`` and after each batch made there
+    (the tuner's no-thread setting), and what changed between two readings
+    goes to what ran between them: the loop, or that making (``next()``
+    itself draws nothing between them). An interval in which a batch was
+    being made on another thread tells nothing. For the first
+    ``_WATCHED_BATCHES`` batches of an epoch.
     """
 
     def __init__(self):
@@ -328,7 +333,9 @@ class _GlobalDraws:
         self.lock = threading.Lock()
         self.elsewhere = 0  # makings under way on other threads
         self.made_elsewhere = 0  # makings begun on other threads, ever
-        self.mark: Optional[tuple] = None  # (states, made_elsewhere)
+        # The last reading on the loop's thread, (states, made_elsewhere),
+        # or None where a making elsewhere was under way then.
+        self.last: Optional[tuple] = None
         self.watched = 0
 
     def watching(self) -> bool:
@@ -338,9 +345,21 @@ class _GlobalDraws:
         """Watch no more (nothing it finds would change what stages)."""
         self.watched = _WATCHED_BATCHES
 
-    def make(self, kind: set, fn, arg):
-        """``fn(arg)``, a pull or a transform; ``kind``: ``self.pull`` or
-        ``self.transform``, where what it drew goes."""
+    def _read(self, drew: Optional[set]) -> None:
+        """A reading on the loop's thread: what changed since the last goes
+        to ``drew`` (None: to nothing)."""
+        if self.elsewhere:
+            self.last = None
+            return
+        now = (_generator_states(), self.made_elsewhere)
+        last, self.last = self.last, now
+        if drew is not None and last is not None and last[1] == now[1]:
+            drew.update(_drawn_from(last[0], now[0]))
+
+    def make(self, drew: Optional[set], fn, arg):
+        """``fn(arg)``, a pull or a transform; ``drew``: ``self.pull`` or
+        ``self.transform``, where what it drew goes (None: a run's first
+        pull, whose draws are in order whatever threads do later)."""
         if not self.watching():
             return fn(arg)
         if threading.get_ident() != self.loop_thread:
@@ -352,27 +371,19 @@ class _GlobalDraws:
             finally:
                 with self.lock:
                     self.elsewhere -= 1
-        if self.elsewhere:
-            return fn(arg)
-        before, made = _generator_states(), self.made_elsewhere
         try:
             return fn(arg)
         finally:
-            if self.elsewhere == 0 and self.made_elsewhere == made:
-                kind.update(_drawn_from(before, _generator_states()))
+            self._read(drew)
 
     def loop_resumes(self) -> None:
         """At the start of ``next()``: what the loop drew since the last."""
         self.loop_thread = threading.get_ident()
-        mark, self.mark = self.mark, None
-        if mark is not None and self.elsewhere == 0 and self.made_elsewhere == mark[1]:
-            self.loop.update(_drawn_from(mark[0], _generator_states()))
+        self._read(self.loop)
 
     def loop_leaves(self) -> None:
         """At the end of ``next()``."""
         self.watched += 1
-        if self.watching() and self.elsewhere == 0:
-            self.mark = (_generator_states(), self.made_elsewhere)
 
     def limit(self) -> Optional[tuple]:
         """(most staging threads, why) for what was seen, or None."""
@@ -423,14 +434,13 @@ class _Epoch:
 
     def pull(self, records: list, watched: bool = True):
         """The plain iterator's next batch, recording its warnings;
-        ``watched``: by ``self.draws`` (not a run's first batch, which the
+        ``watched``: its draws count (not a run's first batch, which the
         loop always pulls itself, and in which a sampler draws its seed for
         the epoch: that draw is in order whatever threads do later)."""
         previous = _start_recording(records)
         try:
-            if not watched:
-                return next(self.base)
-            return self.draws.make(self.draws.pull, next, self.base)
+            draws = self.draws
+            return draws.make(draws.pull if watched else None, next, self.base)
         finally:
             _end_recording(previous)
             self.pulled += 1

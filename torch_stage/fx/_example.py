@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["attribute", "clone_inputs", "isolated", "tensors_in", "written_tensors"]
+__all__ = ["attribute", "clone_inputs", "isolated", "storage_id", "tensors_in", "written_tensors"]
 
 
 def attribute(root: torch.nn.Module, target: str) -> Any:
@@ -67,10 +67,13 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[torch.Tensor]:
     return found
 
 
-def _storage_key(t: torch.Tensor) -> Any:
+def storage_id(t: torch.Tensor) -> Any:
+    """What identifies ``t``'s storage (its views, ``.data`` and tied
+    tensors share it), or None for a tensor without one (a subclass's
+    wrapper), which then matches nothing."""
     try:
         return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # a subclass's wrapper: no storage
+    except (RuntimeError, NotImplementedError):
         return None
 
 
@@ -83,7 +86,7 @@ class _KeepParameters(TorchDispatchMode):
         super().__init__()
         self.unsaved: Dict[Any, List[torch.nn.Parameter]] = {}
         for p in module.parameters():  # tied ones once
-            key = _storage_key(p)
+            key = storage_id(p)
             if key is not None:
                 self.unsaved.setdefault(key, []).append(p)
         self.saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -92,7 +95,7 @@ class _KeepParameters(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.unsaved:
             for t in written_tensors(func, args, kwargs):
-                for p in self.unsaved.pop(_storage_key(t), ()):
+                for p in self.unsaved.pop(storage_id(t), ()):
                     self.saved.append((p, p.detach().clone()))
         return func(*args, **kwargs)
 

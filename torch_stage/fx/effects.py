@@ -46,7 +46,7 @@ from torch.jit._builtins import _find_builtin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_stage.fx._example import attribute, written_tensors
+from torch_stage.fx._example import attribute, storage_id, written_tensors
 
 __all__ = [
     "aliased_args",
@@ -357,14 +357,9 @@ def _storages(values) -> set:
     """The storages of the tensors among ``values``. A tensor without one
     (a subclass's wrapper) cannot be one of the stand-ins, which are plain
     meta tensors, so it is left out."""
-    found = set()
-    for t in values:
-        if isinstance(t, torch.Tensor):
-            try:
-                found.add(t.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                continue
-    return found
+    keys = {storage_id(t) for t in values if isinstance(t, torch.Tensor)}
+    keys.discard(None)
+    return keys
 
 
 def _attribute_stand_in(root: Optional[torch.nn.Module], target: str) -> Optional[torch.Tensor]:

@@ -187,6 +187,7 @@ class AnnotatingTracer(torch.fx.Tracer):
         # that control flow was decided on, by name: their example values,
         # which the graph holds (the multi-stream pass checks each call).
         self.fixed_arguments: Dict[str, Any] = {}
+        self._fixed_seen: set = set()  # nodes whose inputs _fix_arguments walked
         self._base_depth = 0
         self._values: Dict[torch.fx.Node, Any] = {}
         self._inputs: Optional[tuple] = None
@@ -248,6 +249,7 @@ class AnnotatingTracer(torch.fx.Tracer):
         self._inputs = None
         self.specialised = []
         self.fixed_arguments = {}
+        self._fixed_seen = set()
         assign = torch.nn.Module.__setattr__
 
         def guarded(module: torch.nn.Module, name: str, value: Any) -> None:
@@ -353,8 +355,10 @@ class AnnotatingTracer(torch.fx.Tracer):
     def _fix_arguments(self, node: torch.fx.Node) -> None:
         """Note the arguments of Python scalar values that a decision on
         ``node`` depends on: the graph holds their examples' branch, which
-        a call can be checked against exactly (a tensor's values cannot)."""
-        seen, todo = set(), [node]
+        a call can be checked against exactly (a tensor's values cannot).
+        A node walked for an earlier decision is not walked again: what it
+        depends on is noted already."""
+        seen, todo = self._fixed_seen, [node]
         while todo:
             n = todo.pop()
             if n in seen:

@@ -85,8 +85,8 @@ gtest:
 	fi
 	@command -v cmake > /dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q cmake; }
 
-# graphviz draws stream plans (torch_stage.report); chromium renders the
-# report page in tests/test_report.py.
+# graphviz draws stream plans (torch_stage.observe.report); chromium renders the
+# report page in tests/observe/test_report.py.
 tools:
 	@command -v dot > /dev/null || { echo "graphviz's dot is missing: installing Debian's graphviz"; \
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends graphviz; }
@@ -222,11 +222,11 @@ gpu-check:
 REPORT_ARGS ?=
 report: tools $(ZOO_EXT_STAMP)
 	@test -f $(BUILD)/demo/demo.json || echo "no build/demo/demo.json: run make demo first for the staged run's pictures"
-	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.report --from . -o report/index.html $(REPORT_ARGS)
+	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.observe.report --from . -o report/index.html $(REPORT_ARGS)
 
 # The two pictures in README.md (docs/), from the report command.
 pictures: tools $(ZOO_EXT_STAMP)
-	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.report --from . -o pictures/index.html \
+	cd $(BUILD) && ../$(ZOO_PY) -m torch_stage.observe.report --from . -o pictures/index.html \
 	  --no-bench --plan-max-nodes 31 --timeline-items 8
 	cp $(BUILD)/pictures/timeline.png $(BUILD)/pictures/plan.png docs/
 

@@ -30,7 +30,7 @@ def add_json_argument(parser) -> None:
         "--json",
         default=None,
         metavar="PATH",
-        help="also write the JSON report to PATH (as read by python -m torch_stage.report)",
+        help="also write the JSON report to PATH (as read by python -m torch_stage.observe.report)",
     )
 
 

@@ -141,21 +141,21 @@ def timed(loader, step, steps: int) -> float:
 
 class TunedLoader(torch_stage.DataLoader):
     """Ours with some of the tuner's private settings changed (names of
-    ``torch_stage.stage``'s ``_TUNE_*`` globals -> values)."""
+    ``torch_stage.staging.stage``'s ``_TUNE_*`` globals -> values)."""
 
     def __init__(self, *args, tuning: dict, **kwargs):
         super().__init__(*args, **kwargs)
         self.tuning = tuning
 
     def _make_stage(self, source, transform):
-        saved = {name: getattr(torch_stage.stage, name) for name in self.tuning}
+        saved = {name: getattr(torch_stage.staging.stage, name) for name in self.tuning}
         for name, value in self.tuning.items():
-            setattr(torch_stage.stage, name, value)
+            setattr(torch_stage.staging.stage, name, value)
         try:
             return super()._make_stage(source, transform)
         finally:
             for name, value in saved.items():
-                setattr(torch_stage.stage, name, value)
+                setattr(torch_stage.staging.stage, name, value)
 
 
 def methods(dataset, n: int, share=None, waiting=None):

@@ -48,7 +48,7 @@ def _child(calls, models):
         inputs = entry.inputs(1, "cpu")
         variants = {
             "eager": module,
-            "fx_graph_module": torch_stage.fx.MultiStreamPass(num_streams=4).trace(module),
+            "fx_graph_module": torch_stage.streams.fx.MultiStreamPass(num_streams=4).trace(module),
             "multi_stream": torch_stage.multi_stream(module, num_streams=4),
         }
         with torch.no_grad():

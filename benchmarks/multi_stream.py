@@ -45,7 +45,7 @@ import time
 import torch
 
 import torch_stage
-from torch_stage.fx import MultiStreamPass
+from torch_stage.streams.fx import MultiStreamPass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The zoo is shared with the tests rather than installed with the package.

@@ -8,12 +8,12 @@ background thread (and copy them to the GPU when there is one) while the
 model trains. The classic queue tutorial reports 18 s -> 11.5 s for 5000 steps
 on a GTX Titan X.
 
-Ends with a short table and sentences (torch_stage.diagnose): input-bound
+Ends with a short table and sentences (torch_stage.observe.diagnose): input-bound
 or compute-bound, the speedup against the best the shapes allow (D + C over
 max(D, C)), and what to change. --json prints the figures and the stage's
 stats() as JSON instead; --out DIR also writes them (demo.json) and a trace
 of a short staged run (trace.json, Chrome trace JSON: open it in
-https://ui.perfetto.dev) for `python -m torch_stage.report`.
+https://ui.perfetto.dev) for `python -m torch_stage.observe.report`.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import time
 import torch
 
 import torch_stage
-from torch_stage.diagnose import diagnose
+from torch_stage.observe.diagnose import diagnose
 
 
 def make_batch(batch: int, width: int, device: torch.device):
@@ -125,7 +125,7 @@ def main() -> int:
         "--out",
         default=None,
         help="a folder for demo.json and trace.json (a traced staged run), as read by "
-        "`python -m torch_stage.report`",
+        "`python -m torch_stage.observe.report`",
     )
     parser.add_argument(
         "--trace-steps", type=int, default=200, help="steps of the traced run (with --out)"

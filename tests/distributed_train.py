@@ -1,6 +1,6 @@
 """Two-process training with the plain and the staged DataLoader (issue 17).
 
-Run by tests/test_loader_integrations.py under torchrun (2 CPU processes,
+Run by tests/staging/test_loader_integrations.py under torchrun (2 CPU processes,
 gloo), once per framework:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\
@@ -99,7 +99,7 @@ def run_accelerate(cls):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = make_loader(cls)
     if cls is torch_stage.DataLoader:
-        model, optimizer, loader = torch_stage.integrations.accelerate_prepare(
+        model, optimizer, loader = torch_stage.staging.integrations.accelerate_prepare(
             accelerator, model, optimizer, loader
         )
     else:

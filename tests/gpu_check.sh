@@ -88,9 +88,9 @@ step "cuda tests" 120 cuda.log "${PYTEST[@]}" -m cuda --timeout 120 tests \
 # zoo but its two many-branched models.
 csan_files() {
   local pids=() f
-  for f in tests/test_streams.py tests/test_stream_ops.py tests/test_stream_scope.py \
-    tests/test_fx_effects.py tests/test_stage.py tests/test_loader.py tests/test_records.py \
-    tests/test_records_staged.py tests/test_cuda_graphs.py tests/zoo_torchvision; do
+  for f in tests/streams/test_multi_stream.py tests/streams/test_stream_ops.py tests/streams/test_stream_scope.py \
+    tests/streams/fx/test_fx_effects.py tests/staging/test_stage.py tests/staging/test_loader.py tests/records/test_records.py \
+    tests/records/test_records_staged.py tests/streams/test_cuda_graphs.py tests/zoo_torchvision; do
     TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m cuda --timeout 300 --maxfail 4 "$f" \
       -k "not torchs_own and not overlap and not backend_option and not reduce_overhead \
 and not jit_trace and (not torchvision or googlenet or inception_v3)" \

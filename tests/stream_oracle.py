@@ -9,8 +9,8 @@ import random
 import torch
 
 import torch_stage  # noqa: F401
-from torch_stage.fx import _ops
-from torch_stage.fx.cost_model import is_view, may_copy
+from torch_stage.streams.fx import _ops
+from torch_stage.streams.fx.cost_model import is_view, may_copy
 
 ops = torch.ops.torch_stage
 

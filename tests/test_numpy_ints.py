@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import torch_stage
-from torch_stage.fx import trace
-from torch_stage.fx.annotate import META_KEY
-from torch_stage.records import FixedLenFeature, encode_example, parse_example
+from torch_stage.records.example import FixedLenFeature, encode_example, parse_example
+from torch_stage.streams.fx import trace
+from torch_stage.streams.fx.annotate import META_KEY
 
 NUMPY_INTS = [np.int64, np.int32, np.uint8]
 

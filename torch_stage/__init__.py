@@ -9,12 +9,8 @@ from torch_stage import _library
 
 _C = _library.load()
 
-from torch_stage import compile_backend as _compile_backend  # noqa: E402
-from torch_stage import fx, integrations  # noqa: E402, F401  (fx: its op registrations)
 from torch_stage._build_info import build_info  # noqa: E402
 from torch_stage._library import library_path  # noqa: E402
-from torch_stage.compile_backend import Backend, backend  # noqa: E402
-from torch_stage.cuda_graphs import CUDAGraphModule  # noqa: E402
 from torch_stage.errors import (  # noqa: E402
     CorruptRecordError,
     ExampleParseError,
@@ -28,35 +24,36 @@ from torch_stage.errors import (  # noqa: E402
     StageTimeoutError,
     StreamRaceError,
 )
-from torch_stage.loader import DataLoader  # noqa: E402
-from torch_stage.records import (  # noqa: E402
+from torch_stage.observe.tracing import Trace, trace  # noqa: E402
+from torch_stage.records.example import (  # noqa: E402
     FixedLenFeature,
     Ragged,
-    RecordBatch,
-    RecordDataset,
-    RecordInput,
-    RecordWriter,
     VarLenFeature,
     encode_example,
     parse_example,
-    read_records,
 )
-from torch_stage.sanitizer import sanitize_streams  # noqa: E402
-from torch_stage.stage import (  # noqa: E402
+from torch_stage.records.record_input import RecordDataset, RecordInput  # noqa: E402
+from torch_stage.records.record_io import RecordBatch, RecordWriter, read_records  # noqa: E402
+from torch_stage.staging import integrations  # noqa: E402, F401  (torch_stage.staging.integrations)
+from torch_stage.staging.area import StagingArea  # noqa: E402
+from torch_stage.staging.loader import DataLoader  # noqa: E402
+from torch_stage.staging.stage import (  # noqa: E402
     Stage,
     add_stage_thread_pool,
     make_prefetch_hook,
     staged,
 )
-from torch_stage.staging import StagingArea  # noqa: E402
-from torch_stage.streams import (  # noqa: E402
+from torch_stage.streams import compile_backend as _compile_backend  # noqa: E402
+from torch_stage.streams.compile_backend import Backend, backend  # noqa: E402
+from torch_stage.streams.cuda_graphs import CUDAGraphModule  # noqa: E402
+from torch_stage.streams.multi_stream import (  # noqa: E402
     MAX_STREAMS,
     STRATEGIES,
     colocate_with,
     multi_stream,
     stream,
 )
-from torch_stage.tracing import Trace, trace  # noqa: E402
+from torch_stage.streams.sanitizer import sanitize_streams  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -64,7 +61,7 @@ __version__ = "0.1.0"
 _compile_backend._register()
 
 # TORCH_STAGE_SANITIZE=1: the stream sanitizer for the whole process.
-from torch_stage import sanitizer as _sanitizer  # noqa: E402
+from torch_stage.streams import sanitizer as _sanitizer  # noqa: E402
 
 _process_sanitizer = _sanitizer._enable_from_environment()
 

@@ -83,7 +83,7 @@ class StreamRaceError(RuntimeError):
     ordered by the stream plan (raised by ``torch_stage.sanitize_streams``).
 
     Attributes:
-        race: the :class:`torch_stage.sanitizer.StreamRace` found: the kind,
+        race: the :class:`torch_stage.streams.sanitizer.StreamRace` found: the kind,
             both accesses (op, FX node, stream, Python stack) and the
             storage.
     """

@@ -480,7 +480,7 @@ class PyStage {
       tensors[i] = py::reinterpret_steal<py::object>(
           THPVariable_Wrap(std::move(out.tensors[i])));
     }
-    return py::module_::import("torch_stage._pytree")
+    return py::module_::import("torch_stage.staging._pytree")
         .attr("unflatten")(tensors, payload.obj);
   }
 

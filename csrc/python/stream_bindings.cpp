@@ -571,7 +571,7 @@ void init_streams(py::module_& m) {
         if (fast_ops != nullptr) {
           throw py::value_error(
               "torch_stage._C._stream_fast_ops: already made (once per "
-              "process, by torch_stage.fx._ops)");
+              "process, by torch_stage.streams.fx._ops)");
         }
         auto* ops = new FastOps();
         ops->run_type = reinterpret_cast<PyTypeObject*>(
@@ -607,7 +607,7 @@ void init_streams(py::module_& m) {
       py::arg("record_event"),
       py::arg("join"),
       "The C functions fork, sync, record_event and join of "
-      "torch_stage.fx._ops (module: their __module__), each falling back to "
+      "torch_stage.streams.fx._ops (module: their __module__), each falling back to "
       "the given Python function (see csrc/python/stream_bindings.cpp).");
   // CUDAGraphModule's capture stream as (stream_id, device_index,
   // device_type), the arguments of torch.cuda.Stream.

@@ -43,7 +43,9 @@ def main(out_dir: str) -> int:
         torch_stage.multi_stream(towers, num_streams=2)
     )
     modules["towers_scoped.pt"] = torch.jit.script(towers)
-    modules["towers_plain.pt"] = torch.jit.script(torch_stage.fx.trace(towers, num_streams=2))
+    modules["towers_plain.pt"] = torch.jit.script(
+        torch_stage.streams.fx.trace(towers, num_streams=2)
+    )
     for name, scripted in modules.items():
         path = os.path.join(out_dir, name)
         scripted.save(path)

@@ -528,7 +528,7 @@ def _child(c: Case, env: _Env) -> dict:
         close()
     del result
     gc.collect()
-    from torch_stage import stage
+    from torch_stage.staging import stage
 
     stage._close_all()
     return report
@@ -651,7 +651,7 @@ def matrix() -> dict:
     import torch
 
     import torch_stage  # noqa: F401
-    import torch_stage.fx.multi_stream_pass  # noqa: F401
+    import torch_stage.streams.fx.multi_stream_pass  # noqa: F401
     from reliability import probes
 
     cases = MATRIX + ([] if torch.cuda.is_available() else NO_GPU_MATRIX)

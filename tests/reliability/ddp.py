@@ -135,7 +135,8 @@ def _compare(plain: dict, staged: dict, num_workers: int, staging=None) -> int:
             )
     for r in staged["ranks"]:
         check(
-            r["loader"] == "torch_stage.loader.DataLoader" and r["staging"] == (staging or {}),
+            r["loader"] == "torch_stage.staging.loader.DataLoader"
+            and r["staging"] == (staging or {}),
             f"the staged job's rank {r['rank']} trained with {r['loader']} {r['staging']}",
         )
         for epoch, s in enumerate(r["stats"]):

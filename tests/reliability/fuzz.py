@@ -5,7 +5,7 @@ unbounded allocation or bytes from outside the input.
 
 The strategies (random bytes, mutations of the seeds in
 tests/data/records_fuzz_seeds.txt) and the two properties are those of
-tests/test_records_fuzz.py, run here with a larger budget, plus differential
+tests/records/test_records_fuzz.py, run here with a larger budget, plus differential
 checks that only a scenario can afford: an over-read past a record's end or
 a reader that returns bytes it did not read shows up as a difference between
 a record parsed alone and in a batch, or between the records read and the
@@ -65,7 +65,7 @@ class _Run:
 
 def _hypothesis(prop, examples: int, seed: int, **strategies) -> None:
     import hypothesis
-    import test_records_fuzz as shared
+    from records import test_records_fuzz as shared
 
     test = hypothesis.given(**strategies)(prop)
     test = hypothesis.settings(
@@ -110,7 +110,7 @@ def _lenient_specs():
     Examples parse and their values are decoded (the shared specs require
     "i", which few mutations keep)."""
     import torch
-    from test_records_fuzz import SPECS
+    from records.test_records_fuzz import SPECS
 
     from torch_stage import VarLenFeature
 
@@ -178,7 +178,7 @@ def _parser_alone(records, outcome, got, specs) -> int:
 )
 def example_parser(examples: int, seed) -> dict:
     """Example parser on random/mutated bytes: parses or raises a RecordError"""
-    import test_records_fuzz as shared
+    from records import test_records_fuzz as shared
 
     seed = _seed(seed)
     run = _Run()
@@ -290,7 +290,7 @@ def _read_one_by_one(path: str):
 )
 def record_framing(examples: int, seed) -> dict:
     """TFRecord reader on random/mutated files: reads or raises CorruptRecordError"""
-    import test_records_fuzz as shared
+    from records import test_records_fuzz as shared
 
     seed = _seed(seed)
     run = _Run()

@@ -14,7 +14,7 @@ to finalize, and CPython (< 3.14) ends the waiting thread with pthread_exit,
 whose unwind through the noexcept destructor is std::terminate: "terminate
 called without an active exception", exit code -6. Without the handlers the
 same happens at random, when the work is freed just as the rank exits: the
-abort of tests/test_loader_integrations.py's 2-process Accelerate job.
+abort of tests/staging/test_loader_integrations.py's 2-process Accelerate job.
 
 The ranks end as the suite's distributed scripts end theirs, with
 rank_exit.end_rank (rank 0 then sees rank 1 gone and does not join); given

@@ -257,7 +257,7 @@ def interpreter_exit(runs: int):
 _STUCK_AT_EXIT = """
 import atexit, threading, time
 import torch_stage
-from torch_stage import stage as stage_module
+from torch_stage.staging import stage as stage_module
 
 exit_began = threading.Event()
 atexit.register(exit_began.set)  # runs before torch_stage's own exit hook

@@ -21,7 +21,7 @@ torchvision = pytest.importorskip("torchvision")
 from stream_oracle import waits, without_wait  # noqa: E402
 
 import torch_stage  # noqa: E402
-from torch_stage.fx.cost_model import is_view, may_copy  # noqa: E402
+from torch_stage.streams.fx.cost_model import is_view, may_copy  # noqa: E402
 
 #: The C++ runner (tests/zoo_torchvision/cpp), built and named by make zoo.
 RUNNER_ENV = "TORCH_STAGE_ZOO_RUNNER"

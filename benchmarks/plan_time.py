@@ -4,7 +4,7 @@ the same model, which planning includes: a model of T towers of L layers
 (Linear, BatchNorm1d, in-place ReLU, Dropout; eval mode), median of R runs
 after one warm-up run. The pass asks each node what it writes, what it may
 alias and whether its module writes its own state, from runs on meta
-stand-ins (torch_stage/fx/effects.py); this measures what that costs.
+stand-ins (torch_stage/streams/fx/effects.py); this measures what that costs.
 
 Usage: python benchmarks/plan_time.py [--towers T] [--layers L] [--runs R] [--json]
 """

@@ -103,7 +103,7 @@ def run_python():
 
 
 # Every test of the multi-stream half runs under the stream sanitizer
-# (torch_stage/sanitizer.py): on CPU the stream ops do nothing, so a plan
+# (torch_stage/streams/sanitizer.py): on CPU the stream ops do nothing, so a plan
 # with a missing wait or record_stream would pass them all without it.
 _SANITIZED_MODULES = frozenset(
     {

@@ -10,8 +10,8 @@
 // pybind11 object holding the same StreamRun) whose methods call the
 // StreamRun methods the registered ops call (csrc/ops/stream_ops.cpp), with
 // a RECORD_FUNCTION under the op's name so profiles look the same: the
-// pass's functions (torch_stage/fx/_ops.py) only check `type(run)` to pick
-// this path, where unwrapping a ScriptObject and asking whether Dynamo or
+// pass's functions (torch_stage/streams/fx/_ops.py) only check `type(run)` to
+// pick this path, where unwrapping a ScriptObject and asking whether Dynamo or
 // the JIT tracer runs cost ~0.6 us per call. Anything that must see the op
 // itself (a tracer, a tensor subclass) gets the run as a ScriptObject from
 // script_object(). TorchScript always calls the registered ops.
@@ -100,7 +100,7 @@ c10::IValue any_value(py::handle value) {
 // The node targets of rewritten graphs: fork, sync, record_event and join
 // as C functions (METH_FASTCALL), the same objects in the graph, in its
 // generated code, in TorchScript's builtin table and in FX's side-effect
-// set (torch_stage/fx/_ops.py). A Python function in between cost ~1.3k
+// set (torch_stage/streams/fx/_ops.py). A Python function in between cost ~1.3k
 // instructions a call, pybind11's dispatcher ~2-3k more, and fork's
 // torch.compiler.is_compiling() 1.3k: together most of what a rewritten
 // forward adds to a plain GraphModule (benchmarks/host_instructions.py).

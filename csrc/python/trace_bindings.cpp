@@ -1,6 +1,6 @@
 // torch_stage.trace: start and stop the C++ trace recorder
 // (trace/trace_recorder.h) and hand its records to Python, which writes the
-// Chrome trace JSON (torch_stage/trace.py).
+// Chrome trace JSON (torch_stage/observe/tracing.py).
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/bindings.h"

@@ -2,8 +2,8 @@
 // optionally verified. Plain C++17, no torch; a pure function.
 //
 // The torch op torch.ops.torch_stage.plan_streams (csrc/ops/schedule_ops.cpp)
-// exposes it to Python; the multi-stream FX pass (torch_stage/fx/) builds the
-// Dag from a GraphModule and turns the plan into stream ops.
+// exposes it to Python; the multi-stream FX pass (torch_stage/streams/fx/)
+// builds the Dag from a GraphModule and turns the plan into stream ops.
 #pragma once
 
 #include "schedule/dag.h"

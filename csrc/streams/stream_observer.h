@@ -4,7 +4,7 @@
 // device staging). torch_stage.sanitize_streams() installs an observer to
 // model CUDA stream semantics on any device, CPU included, where the
 // operations themselves do nothing (csrc/python/stream_bindings.cpp,
-// torch_stage/sanitizer.py).
+// torch_stage/streams/sanitizer.py).
 //
 // What is reported (StreamOpNote::op; `owner` is the id of the StreamRun,
 // StreamScope or staging copy the operation belongs to, unique per process):

@@ -1,7 +1,7 @@
 // StreamRun: the run-time state of one call of a multi-stream module, behind
 // the ops torch.ops.torch_stage.{fork, set_stream, record_event, wait_event,
 // record_stream, join} (csrc/ops/stream_ops.cpp). The FX pass
-// (torch_stage/fx/) emits, in this order:
+// (torch_stage/streams/fx/) emits, in this order:
 //
 //   run = fork(num_streams, side_streams, num_events, probes)
 //   set_stream(run, s)        before a node on stream s (when s changes)
@@ -51,7 +51,7 @@
 // TorchScript and C++ callers get that from the destructor (the run dies as
 // the frame unwinds); in Python the failed frame lives on in the traceback,
 // so the multi-stream GraphModule calls abort_thread_runs when forward
-// raises (torch_stage/fx/multi_stream_pass.py). The destructor still
+// raises (torch_stage/streams/fx/multi_stream_pass.py). The destructor still
 // finishes a run nobody finished.
 //
 // Autocast: from fork to join (or abort, on the owning thread) a run of

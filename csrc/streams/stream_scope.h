@@ -1,8 +1,8 @@
 // StreamScope: `with torch_stage.stream(i):` inside TorchScript code (and in
 // C++), registered as torch.classes.torch_stage.StreamScope and created by
 // the op torch.ops.torch_stage.stream(index) (csrc/ops/stream_ops.cpp),
-// which TorchScript calls for torch_stage.stream(i) (torch_stage/streams.py
-// maps the Python name onto the op).
+// which TorchScript calls for torch_stage.stream(i)
+// (torch_stage/streams/multi_stream.py maps the Python name onto the op).
 //
 // Semantics: the block runs on pool stream `index` of the device, and is
 // ordered like sequential code:

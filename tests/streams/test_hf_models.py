@@ -4,7 +4,7 @@ sanitizer.
 
 Symbolic tracing cannot follow these models (they branch on tensors and
 iterate over them), so multi_stream captures them with torch.export when
-example inputs are given (torch_stage/fx/multi_stream_pass.py); the result
+example inputs are given (torch_stage/streams/fx/multi_stream_pass.py); the result
 keeps forward's call signature and output type."""
 
 import warnings

@@ -1,4 +1,4 @@
-"""torch_stage.multi_stream, stream and colocate_with (torch_stage/streams.py)
+"""torch_stage.multi_stream, stream and colocate_with (torch_stage/streams/multi_stream.py)
 over the model zoo (tests/zoo.py): results equal the original module's
 (bit for bit on CPU; on a GPU with random delays on side streams), plans
 as expected, scripting, and real overlap on a GPU."""

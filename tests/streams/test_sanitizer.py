@@ -1,5 +1,5 @@
 """torch_stage.sanitize_streams: the CPU model of CUDA stream semantics
-(torch_stage/sanitizer.py) on raw programs of the project's stream ops, on
+(torch_stage/streams/sanitizer.py) on raw programs of the project's stream ops, on
 rewritten real models, and against its own misuse."""
 
 import copy

@@ -1,5 +1,5 @@
 """The stream ops (torch.ops.torch_stage.fork/set_stream/record_event/
-wait_event/record_stream/join, torch_stage/fx/_ops.py) and plan_streams."""
+wait_event/record_stream/join, torch_stage/streams/fx/_ops.py) and plan_streams."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""The graph as the scheduler sees it (torch_stage/fx/analysis.py,
-torch_stage/fx/classify.py), and plans (torch_stage/fx/stream_plan.py)."""
+"""The graph as the scheduler sees it (torch_stage/streams/fx/analysis.py,
+torch_stage/streams/fx/classify.py), and plans (torch_stage/streams/fx/stream_plan.py)."""
 
 import pytest
 import torch

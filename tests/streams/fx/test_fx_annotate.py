@@ -1,4 +1,4 @@
-"""Tracing with stream annotations (torch_stage/fx/annotate.py)."""
+"""Tracing with stream annotations (torch_stage/streams/fx/annotate.py)."""
 
 import copy
 import warnings

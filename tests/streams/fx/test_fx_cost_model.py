@@ -1,4 +1,4 @@
-"""The default cost model (torch_stage/fx/cost_model.py)."""
+"""The default cost model (torch_stage/streams/fx/cost_model.py)."""
 
 import operator
 

@@ -662,7 +662,7 @@ def test_a_write_to_a_submodules_state_is_ordered_on_real_streams(write, write_f
 
 
 # Planning with example inputs runs forward once, and puts buffers back but
-# not parameters (torch_stage/fx/_example.py): only the buffer's write is
+# not parameters (torch_stage/streams/fx/_example.py): only the buffer's write is
 # planned that way here.
 _REPEATABLE = ["running_mean.add_"]
 

@@ -1,4 +1,4 @@
-"""The rewrite with stream ops (torch_stage/fx/multi_stream_pass.py)."""
+"""The rewrite with stream ops (torch_stage/streams/fx/multi_stream_pass.py)."""
 
 import copy
 import io

@@ -37,7 +37,7 @@ __all__ = [
 
 INPUT, OUTPUT, HOST, CONST, DEVICE, ALIAS = "input", "output", "host", "const", "device", "alias"
 #: node.meta key set by whoever inserted a node known to be host work (the
-#: input guards torch.export adds: torch_stage/fx/multi_stream_pass.py).
+#: input guards torch.export adds: torch_stage/streams/fx/multi_stream_pass.py).
 HOST_META = "torch_stage_host"
 
 _HOST_ATTRS = frozenset(

@@ -25,7 +25,7 @@ Schemas understate a few writes, written down here with a test each
 (``native_batch_norm`` and ``F.batch_norm`` take them as plain inputs),
 by their argument names here (:func:`understated_writes`, which the stream
 sanitizer uses too) and for modules where modules are classified
-(torch_stage/fx/analysis.py); RNG state, which the rewrite keeps by
+(torch_stage/streams/fx/analysis.py); RNG state, which the rewrite keeps by
 issuing random ops in their original order (tests/streams/test_multi_stream.py: the
 ``random_branches`` zoo model is bit-identical to eager).
 """
@@ -153,7 +153,7 @@ def understated_writes(arguments: Dict[str, Any]) -> List[Any]:
     update them in place in training. The rule is on the argument names,
     which every batch-norm spelling shares (ATen schemas and the Python
     functions alike), not on op names. The stream sanitizer applies it to
-    every ATen op it sees (torch_stage/sanitizer.py).
+    every ATen op it sees (torch_stage/streams/sanitizer.py).
     """
     if arguments.get("training") is not True:
         return []

@@ -1,7 +1,7 @@
 // torch.ops.torch_stage.plan_streams: the C++ stream scheduler
 // (csrc/schedule/) for Python, as a plain op on flat integer and float
 // lists, so no pybind11 is involved. The multi-stream FX pass
-// (torch_stage/fx/partition.py) is its caller.
+// (torch_stage/streams/fx/stream_plan.py) is its caller.
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -102,7 +102,8 @@ plan_streams(
     std::string strategy,
     int64_t num_streams,
     bool costs_known,
-    bool verify) {
+    bool verify,
+    double sync_cost) {
   try {
     const schedule::Dag dag = build_dag(
         num_nodes, edge_from, edge_to, edge_kind, cost, fixed, colocation);
@@ -112,6 +113,7 @@ plan_streams(
     options.num_streams = static_cast<int>(num_streams);
     options.costs_known = costs_known;
     options.verify = verify;
+    options.sync_cost = sync_cost;
     std::vector<int> group_index;
     for (int64_t v = 0; v < num_nodes; ++v) {
       const int64_t g = embedding_group[v];
@@ -176,7 +178,8 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
       "plan_streams(int num_nodes, int[] edge_from, int[] edge_to, "
       "int[] edge_kind, float[] cost, int[] fixed, int[] colocation, "
       "int[] embedding_group, str strategy, int num_streams, "
-      "bool costs_known, bool verify) -> (str, str, Dict(str, int[]))",
+      "bool costs_known, bool verify, float sync_cost=0.0) "
+      "-> (str, str, Dict(str, int[]))",
       &plan_streams);
 }
 

@@ -1,8 +1,10 @@
 #include "schedule/strategies.h"
 
 #include <algorithm>
+#include <cmath>
 #include <queue>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 
@@ -183,6 +185,7 @@ Assignment run_min_sync(const Dag& dag, int num_streams) {
 Assignment run_critical_path(
     const Dag& dag,
     int num_streams,
+    double sync_cost,
     const std::unordered_map<int, int>& group_fixed) {
   const int n = dag.size();
   Assignment out;
@@ -211,16 +214,26 @@ Assignment run_critical_path(
   std::vector<double> finish(n, 0.0);
   std::vector<double> free_at(num_streams, 0.0);
   std::unordered_map<int, int> group_stream;
+  // When u's inputs are ready on stream c.
+  auto arrival = [&dag, sync_cost](
+                     int u,
+                     int c,
+                     const std::vector<int>& stream,
+                     const std::vector<double>& finish) {
+    double ready = 0.0;
+    for (const int p : dag.predecessors(u)) {
+      ready = std::max(ready, finish[p] + (stream[p] == c ? 0.0 : sync_cost));
+    }
+    return ready;
+  };
   while (!ready.empty()) {
     const int u = ready.top();
     ready.pop();
-    double data_ready = 0.0;
     int producer = -1;
     for (const int p : dag.predecessors(u)) {
       if (producer < 0 || finish[p] > finish[producer]) {
         producer = p;
       }
-      data_ready = std::max(data_ready, finish[p]);
     }
     const int group = dag.colocation_group(u);
     int s = -1;
@@ -233,12 +246,14 @@ Assignment run_critical_path(
     } else if (dag.cost(u) == 0.0) {
       s = producer >= 0 ? out.stream[producer] : 0;
     } else {
-      // The stream that can start u earliest; on a tie the producer's
-      // stream (no event needed), then the lowest number.
+      // The stream that can start u earliest, data from other streams
+      // arriving sync_cost later; on a tie the producer's stream (no event
+      // needed), then the lowest number.
       const int preferred = producer >= 0 ? out.stream[producer] : 0;
       double best_start = 0.0;
       for (int c = 0; c < num_streams; ++c) {
-        const double start = std::max(free_at[c], data_ready);
+        const double start =
+            std::max(free_at[c], arrival(u, c, out.stream, finish));
         const bool better = s < 0 || start < best_start ||
             (start == best_start && c == preferred && s != preferred);
         if (better) {
@@ -251,7 +266,8 @@ Assignment run_critical_path(
     if (group != Dag::kNone) {
       group_stream.emplace(group, s);
     }
-    const double start = std::max(free_at[s], data_ready);
+    const double start =
+        std::max(free_at[s], arrival(u, s, out.stream, finish));
     finish[u] = start + dag.cost(u);
     if (dag.cost(u) > 0.0) {
       free_at[s] = finish[u];
@@ -411,6 +427,11 @@ Strategy choose_strategy(
 
 Assignment assign_streams(const Dag& dag, const AssignOptions& options) {
   check_num_streams(options.num_streams);
+  if (!(options.sync_cost >= 0.0) || std::isinf(options.sync_cost)) {
+    throw std::invalid_argument(
+        "sync_cost must be a finite number >= 0, got " +
+        std::to_string(options.sync_cost));
+  }
   const auto group_fixed = check_placements(dag, options.num_streams);
   std::string reason = "requested";
   Strategy strategy = options.strategy;
@@ -423,7 +444,8 @@ Assignment assign_streams(const Dag& dag, const AssignOptions& options) {
       out = run_min_sync(dag, options.num_streams);
       break;
     case Strategy::kCriticalPath:
-      out = run_critical_path(dag, options.num_streams, group_fixed);
+      out = run_critical_path(
+          dag, options.num_streams, options.sync_cost, group_fixed);
       break;
     case Strategy::kEmbedding:
       out = run_embedding(dag, options);

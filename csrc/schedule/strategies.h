@@ -14,8 +14,10 @@
 //                    merged by a second matching on the chain DAG's closure,
 //                    then folded onto N streams.
 //      critical_path list scheduling by longest remaining weighted path; each
-//                    node goes to the stream that can start it earliest;
-//                    zero-cost nodes follow their producer.
+//                    node goes to the stream that can start it earliest,
+//                    where data from another stream arrives sync_cost
+//                    later (the event between them); zero-cost nodes
+//                    follow their producer.
 //      embedding     each embedding group (a lookup and what hangs only off
 //                    it) on its own stream, round robin; the rest by min_sync.
 //      user          fixed placements only; everything else on stream 0.
@@ -57,6 +59,11 @@ struct AssignOptions {
   // Costs come from a cost model or measured shapes rather than defaults;
   // auto prefers critical_path when they do.
   bool costs_known = false;
+  // What a dependency between two streams costs critical_path, in the
+  // costs' unit (an event record and wait): a node moves off its
+  // producers' stream only when it starts earlier even so, so work too
+  // small to pay for an event stays on one stream. >= 0; 0 ignores it.
+  double sync_cost = 0.0;
 };
 
 struct Assignment {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -346,6 +347,66 @@ TEST(Strategies, CriticalPathKeepsTheLongPathTogether) {
 //   |          v      |
 //   |          4      |
 //   `-----------------'   (2 -> 6)
+std::vector<int> critical_path(
+    const Dag& dag,
+    int num_streams,
+    double sync_cost) {
+  AssignOptions options;
+  options.strategy = Strategy::kCriticalPath;
+  options.num_streams = num_streams;
+  options.sync_cost = sync_cost;
+  return assign_streams(dag, options).stream;
+}
+
+// Two branches of cost `branch` between a stem and a join (unit costs):
+//
+//     0
+//    / \       .
+//   1   2
+//    \ /
+//     3
+Dag weighted_diamond(double branch) {
+  Dag dag = make_dag(4, {{0, 1}, {0, 2}, {1, 3}, {2, 3}});
+  dag.set_cost(1, branch);
+  dag.set_cost(2, branch);
+  return dag;
+}
+
+TEST(Strategies, CriticalPathSpreadsOnlyWorkThatPaysForItsEvents) {
+  // Without a sync cost any parallel work moves to a stream of its own.
+  EXPECT_EQ(
+      critical_path(weighted_diamond(0.5), 4, 0.0),
+      (std::vector<int>{0, 0, 1, 0}));
+  // Branches of 0.5 against two syncs of 1 (fork and join): one stream
+  // finishes at 3, two at 4.
+  EXPECT_EQ(
+      critical_path(weighted_diamond(0.5), 4, 1.0),
+      (std::vector<int>{0, 0, 0, 0}));
+  // Branches of 10: on one stream the join ends at 22, with the second
+  // branch on stream 1 at 1 + 1 + 10 + 1 = 13 (where the join goes: its
+  // input from stream 0 arrives at 12, the one from stream 1 at 12).
+  EXPECT_EQ(
+      critical_path(weighted_diamond(10.0), 4, 1.0),
+      (std::vector<int>{0, 0, 1, 1}));
+  // A chain never leaves its stream, whatever the costs.
+  Dag chain = make_dag(4, {{0, 1}, {1, 2}, {2, 3}});
+  EXPECT_EQ(critical_path(chain, 4, 3.0), (std::vector<int>{0, 0, 0, 0}));
+}
+
+TEST(Strategies, ASyncCostMustBeAFiniteNumberAtLeastZero) {
+  AssignOptions options;
+  options.strategy = Strategy::kCriticalPath;
+  for (const double bad :
+       {-1.0,
+        std::numeric_limits<double>::infinity(),
+        std::numeric_limits<double>::quiet_NaN()}) {
+    options.sync_cost = bad;
+    expect_invalid(
+        [&] { assign_streams(inception(), options); },
+        "sync_cost must be a finite number >= 0");
+  }
+}
+
 TEST(Strategies, ChainMergeCanExceedTheWidthAndIsRepaired) {
   const Dag dag = make_dag(
       8,

@@ -227,6 +227,7 @@ def _plan(num_nodes, edges, strategy="min_sync", num_streams=2, **kwargs):
         fixed=[-1] * num_nodes,
         colocation=[-1] * num_nodes,
         embedding_group=[-1] * num_nodes,
+        sync_cost=0.0,
     )
     fields.update(kwargs)
     return ops.plan_streams(
@@ -242,6 +243,7 @@ def _plan(num_nodes, edges, strategy="min_sync", num_streams=2, **kwargs):
         num_streams,
         False,
         True,
+        fields["sync_cost"],
     )
 
 
@@ -259,10 +261,28 @@ def test_plan_streams_plans_a_diamond():
     assert plan["stats"] == [2, 2, 2]
 
 
+def test_plan_streams_keeps_work_that_cannot_pay_for_its_events_on_one_stream():
+    diamond = [(0, 1), (0, 2), (1, 3), (2, 3)]
+    small = [1.0, 0.5, 0.5, 1.0]
+    _, _, free = _plan(4, diamond, strategy="critical_path", cost=small)
+    assert free["stream"] == [0, 0, 1, 0]
+    _, _, paid = _plan(4, diamond, strategy="critical_path", cost=small, sync_cost=1.0)
+    assert paid["stream"] == [0, 0, 0, 0]
+    assert paid["fork"] == [] and paid["event_node"] == []
+    big = [1.0, 10.0, 10.0, 1.0]
+    _, _, worth = _plan(4, diamond, strategy="critical_path", cost=big, sync_cost=1.0)
+    assert worth["stream"] == [0, 0, 1, 1]
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
         (dict(num_nodes=2, edges=[(1, 0)]), ValueError, "edge 1 -> 0 does not go forward"),
+        (
+            dict(num_nodes=2, edges=[(0, 1)], sync_cost=-1.0),
+            ValueError,
+            "sync_cost must be a finite number >= 0, got -1",
+        ),
         (
             dict(num_nodes=2, edges=[(0, 1)], strategy="fastest"),
             ValueError,

@@ -102,8 +102,14 @@ class StreamPlan:
         return "\n".join(lines)
 
 
-def plan(analysis: Any, strategy: str, verify: bool = False) -> Tuple[StreamPlan, dict]:
+def plan(
+    analysis: Any, strategy: str, verify: bool = False, sync_cost: float = 0.0
+) -> Tuple[StreamPlan, dict]:
     """Plan the analysed graph with the C++ scheduler.
+
+    ``sync_cost``: what an event between two streams costs, in the costs'
+    unit; ``critical_path`` moves work off its producers' stream only where
+    it starts earlier even so (``csrc/schedule/strategies.h``).
 
     Returns the :class:`StreamPlan` and the raw plan (per device node, by
     position in ``analysis.device_nodes``) the rewrite works from.
@@ -123,6 +129,7 @@ def plan(analysis: Any, strategy: str, verify: bool = False) -> Tuple[StreamPlan
         analysis.num_streams,
         analysis.costs_known,
         verify,
+        float(sync_cost),
     )
     names = [n.name for n in analysis.device_nodes]
     stream = list(raw["stream"])

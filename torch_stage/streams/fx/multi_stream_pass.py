@@ -31,7 +31,7 @@ import inspect
 import os
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -50,8 +50,9 @@ from torch_stage.streams.fx.annotate import (
     check_none,
     examples_by_position,
 )
-from torch_stage.streams.fx.classify import ALIAS, CONST, DEVICE, HOST_META, INPUT, OUTPUT
+from torch_stage.streams.fx.classify import HOST_META
 from torch_stage.streams.fx.stream_plan import StreamPlan, plan
+from torch_stage.streams.fx.writer import PlanWriter
 
 __all__ = ["MultiStreamGraphModule", "MultiStreamPass"]
 
@@ -745,8 +746,9 @@ class MultiStreamGraphModule(_GraphModule):
     _call = staticmethod(_finishing_call)
 
 
-class _Rewrite:
-    """Inserts the stream ops into ``gm.graph`` following a raw plan."""
+class _Rewrite(PlanWriter):
+    """Inserts torch_stage's stream ops into ``graph`` following a raw plan
+    (the module doc shows what goes where)."""
 
     def __init__(
         self,
@@ -756,73 +758,30 @@ class _Rewrite:
         raw: dict,
         stream_plan: StreamPlan,
     ):
+        super().__init__(graph, analysis, raw, stream_plan)
         self.root = root
-        self.graph = graph
-        self.analysis = analysis
-        self.plan = stream_plan
-        self.stream = raw["stream"]
-        count = len(analysis.device_nodes)
-        self.event = raw["event"]
-        self.waits: List[List[int]] = [[] for _ in range(count)]
-        for node, e in zip(raw["wait_node"], raw["wait_event"]):
-            self.waits[node].append(e)
-        self.keeps: List[List[int]] = [[] for _ in range(count)]
-        for node, producer in zip(raw["keep_node"], raw["keep_producer"]):
-            self.keeps[node].append(producer)
-        self.fork = list(raw["fork"])
-        self.join = list(raw["join"])
-        self.num_events = len(raw["event_node"])
-        self.copies: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
-        self.current = 0
         self.run_node: Optional[torch.fx.Node] = None
         # The record_event node after the last device node, while the next
         # sync may still carry it instead (no device work since).
         self.pending: Optional[torch.fx.Node] = None
-        # (input, stream) pairs already marked used on a side stream.
-        self.kept_inputs: Set[Tuple[torch.fx.Node, int]] = set()
-
-    def run(self) -> None:
-        nodes = list(self.graph.nodes)
-        self._fork(nodes)
-        for n in nodes:
-            kind = self.analysis.kind[n]
-            if kind == DEVICE:
-                self._device_node(n)
-            elif kind == OUTPUT:
-                self._output(n)
-            elif kind != CONST:
-                self._constants_for(n, self.current)
-        constants: Dict[str, List[int]] = {}
-        for (c, s), _ in sorted(self.copies.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
-            constants.setdefault(c.name, []).append(s)
-        for c in reversed(self.analysis.constants):
-            if not c.users:
-                self.graph.erase_node(c)
-        self.plan.constants = constants
 
     def _call(self, op, *args) -> torch.fx.Node:
         return self.graph.call_function(op, args)
 
-    def _fork(self, nodes: List[torch.fx.Node]) -> None:
-        placeholders = [n for n in nodes if n.op == "placeholder"]
+    def fork(self, placeholders: List[torch.fx.Node]) -> None:
         probes: List[Any] = [p for p in placeholders if self._may_hold_tensor(p)]
-        # After the last placeholder, not the first non-placeholder: graphs
-        # from torch.export put their get_attr nodes before the inputs.
-        last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
-        with self.graph.inserting_before(nodes[last + 1]):
-            # A parameter decides the device for modules whose inputs are
-            # not tensors; only for those: reading one through
-            # nn.Module.__getattr__ on every call costs more host time than
-            # the rest of the stream ops together. (A module given only CPU
-            # tensors that it moves to its device itself then runs on one
-            # stream, correctly; example inputs tell the pass which inputs
-            # hold tensors.)
-            param = next(iter(self._tensor_attributes()), None)
-            if param is not None and not probes:
-                probes.append(self.graph.get_attr(param))
-            self.run_node = self._call(
-                _ops.fork, self.plan.num_streams, self.fork, self.num_events, tuple(probes)
-            )
+        # A parameter decides the device for modules whose inputs are not
+        # tensors; only for those: reading one through
+        # nn.Module.__getattr__ on every call costs more host time than the
+        # rest of the stream ops together. (A module given only CPU tensors
+        # that it moves to its device itself then runs on one stream,
+        # correctly; example inputs tell the pass which inputs hold tensors.)
+        param = next(iter(self._tensor_attributes()), None)
+        if param is not None and not probes:
+            probes.append(self.graph.get_attr(param))
+        self.run_node = self._call(
+            _ops.fork, self.plan.num_streams, self.fork_streams, self.num_events, tuple(probes)
+        )
 
     def _may_hold_tensor(self, p: torch.fx.Node) -> bool:
         if p.target.startswith("**"):
@@ -844,8 +803,8 @@ class _Rewrite:
         for name, _ in self.root.named_buffers():
             yield name
 
-    def _sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> None:
-        """One sync before the insertion point, carrying the pending record."""
+    def sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> None:
+        """One sync, carrying the pending record."""
         record = -1
         if self.pending is not None:
             # sync records on the current stream: the pending record's.
@@ -854,99 +813,14 @@ class _Rewrite:
             self.graph.erase_node(self.pending)
             self.pending = None
         self._call(_ops.sync, self.run_node, record, s, list(waits), tuple(keeps) or None)
-        self.current = s
 
-    def _constants_for(self, n: torch.fx.Node, s: int) -> None:
-        """Re-create on stream ``s`` each constant ``n`` reads (once per
-        stream), and each view of constants it reads (``arange(n)[:, None]``
-        as an index: the view of a copy made on another stream would be read
-        here unordered; the stream sanitizer found it in GPT-2)."""
-        for c in list(n.all_input_nodes):
-            if not self._constant_made(c):
-                continue
-            key = (c, s)
-            if key not in self.copies:
-                with self.graph.inserting_before(n):
-                    self.copies[key] = self.graph.node_copy(c)
-                # Device work on the current stream: a pending record stays
-                # before it.
-                self.pending = None
-                # A copy is what its original is (a view of constants can
-                # be reached through copies made for other streams).
-                self.analysis.kind[self.copies[key]] = self.analysis.kind[c]
-                # zeros_like(c2) where c2 is a constant too.
-                self._constants_for(self.copies[key], s)
-            n.replace_input_with(c, self.copies[key])
-
-    def _constant_made(self, c: torch.fx.Node) -> bool:
-        """``c`` is a constant, or a view of constants only."""
-        kind = self.analysis.kind.get(c)
-        if kind == CONST:
-            return True
-        if kind != ALIAS or self.analysis.roots(c):
-            return False
-        return any(self._constant_made(a) for a in c.all_input_nodes)
-
-    def _device_node(self, n: torch.fx.Node) -> None:
-        i = self.analysis.index[n]
-        s = self.stream[i]
-        run = self.run_node
-        keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
-        keeps += self._inputs_first_read(n, s)
-        if s != self.current or self.waits[i] or keeps:
-            with self.graph.inserting_before(n):
-                self._sync(s, self.waits[i], keeps)
+    def place(self, n: torch.fx.Node, s: int) -> None:
+        # Device work on the current stream: a pending record stays before
+        # it (the sync before n, if any, made s current).
         self.pending = None
-        self._constants_for(n, s)
-        if self.event[i] >= 0:
-            with self.graph.inserting_after(n):
-                self.pending = self._call(_ops.record_event, run, self.event[i], s)
 
-    def _inputs_first_read(self, n: torch.fx.Node, s: int) -> List[torch.fx.Node]:
-        """Forward's inputs that ``n`` reads, directly or through views, on
-        side stream ``s`` for the first time.
+    def record(self, n: torch.fx.Node, e: int, s: int) -> None:
+        self.pending = self._call(_ops.record_event, self.run_node, e, s)
 
-        They are marked used on ``s`` (gpu-review #4): the caller's stream
-        allocated them, and a caller that hands over its last reference (a
-        LibTorch caller passing a temporary; TorchScript drops a value after
-        its last use) frees them during forward, onto the caller's stream,
-        where the next allocation could reuse the memory while ``s`` still
-        reads it. In the sync that precedes ``n`` anyway, the mark costs no
-        call.
-        """
-        if s == 0:
-            return []
-        found: List[torch.fx.Node] = []
-        for v in n.all_input_nodes:
-            for p in self._input_roots(v):
-                if (p, s) not in self.kept_inputs:
-                    self.kept_inputs.add((p, s))
-                    found.append(p)
-        return found
-
-    def _input_roots(self, v: torch.fx.Node) -> List[torch.fx.Node]:
-        kind = self.analysis.kind.get(v)
-        if kind == INPUT:
-            return [v]
-        if kind != ALIAS:
-            return []
-        return [p for a in v.all_input_nodes for p in self._input_roots(a)]
-
-    def _output(self, n: torch.fx.Node) -> None:
-        run = self.run_node
-        # Outputs made on a side stream are used on the caller's stream from
-        # here on: tell the allocator (pytorch#165391 does the same for
-        # Inductor's user streams). Constants the output reads are made on
-        # the caller's stream.
-        keeps = [
-            v
-            for v in n.all_input_nodes
-            if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
-        ]
-        if keeps or any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
-            with self.graph.inserting_before(n):
-                self._sync(0, [], keeps)
-        self._constants_for(n, 0)
-        with self.graph.inserting_before(n):
-            self._call(_ops.join, run, self.join)
-        self.current = 0
+    def join(self) -> None:
+        self._call(_ops.join, self.run_node, self.join_streams)

@@ -1,0 +1,209 @@
+"""Writing a stream plan into a graph: what every form of it shares.
+
+A plan (:func:`torch_stage.streams.fx.stream_plan.plan`) says, per device
+node, its stream, the events recorded after it, the waits before it and the
+producers whose memory it reads on another stream. Two writers put it into
+the graph:
+
+* the eager rewrite (:mod:`~torch_stage.streams.fx.multi_stream_pass`):
+  ``torch.ops.torch_stage.*`` calls that switch streams as the graph runs,
+  for Python, TorchScript and C++;
+* the user-stream writer (:mod:`~torch_stage.streams.fx.user_streams`): the
+  form PyTorch's compiler carries, a stream annotation per node and
+  ``torch.ops.streams.*`` events, for inductor.
+
+Both walk the graph in order with :class:`PlanWriter`; what they emit is
+theirs. The walk decides the rest, the same for both:
+
+* constants (``torch.zeros(n)``) are made again on each stream that reads
+  them, once per stream, as DeepRec duplicates Const nodes, so they never
+  cause a wait;
+* forward's inputs read on a side stream are marked used on it the first
+  time (gpu-review #4: a caller that hands over its last reference frees
+  them onto its own stream during forward);
+* outputs made on a side stream are marked used on the caller's stream.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Dict, List, Set, Tuple
+
+import torch
+import torch.fx
+
+from torch_stage.streams.fx.classify import ALIAS, CONST, DEVICE, INPUT, OUTPUT
+
+__all__ = ["PlanWriter"]
+
+
+class PlanWriter(ABC):
+    """Walks a graph and calls the hooks below where the plan needs stream
+    work; subclasses emit it. ``run()`` once per writer.
+
+    Hooks (each inserts nodes at the graph's current insertion point, set by
+    the walk):
+
+    * :meth:`fork`: before the first node after the inputs;
+    * :meth:`sync`: before a node (or the output): make stream ``s``
+      current, wait on ``waits`` there, mark ``keeps`` used on ``s``;
+    * :meth:`place`: ``n`` (a device node, or a constant's copy) runs on
+      ``s``;
+    * :meth:`record`: after device node ``n``, record event ``e`` on ``s``;
+    * :meth:`join`: before the output, the caller's stream waits on the
+      side streams.
+    """
+
+    def __init__(self, graph: torch.fx.Graph, analysis, raw: dict, stream_plan):
+        self.graph = graph
+        self.analysis = analysis
+        self.plan = stream_plan
+        self.stream = raw["stream"]
+        count = len(analysis.device_nodes)
+        self.event = raw["event"]
+        self.waits: List[List[int]] = [[] for _ in range(count)]
+        for node, e in zip(raw["wait_node"], raw["wait_event"]):
+            self.waits[node].append(e)
+        self.keeps: List[List[int]] = [[] for _ in range(count)]
+        for node, producer in zip(raw["keep_node"], raw["keep_producer"]):
+            self.keeps[node].append(producer)
+        self.fork_streams = list(raw["fork"])
+        self.join_streams = list(raw["join"])
+        self.num_events = len(raw["event_node"])
+        self.copies: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
+        # The stream the last sync made current.
+        self.current = 0
+        # (input, stream) pairs already marked used on a side stream.
+        self.kept_inputs: Set[Tuple[torch.fx.Node, int]] = set()
+
+    # -- hooks ------------------------------------------------------------
+
+    @abstractmethod
+    def fork(self, placeholders: List[torch.fx.Node]) -> None: ...
+
+    @abstractmethod
+    def sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> None: ...
+
+    def needs_sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> bool:
+        """Whether a node on ``s`` needs :meth:`sync` before it."""
+        return s != self.current or bool(waits) or bool(keeps)
+
+    @abstractmethod
+    def place(self, n: torch.fx.Node, s: int) -> None:
+        """``n`` (a device node, or a constant's copy) runs on ``s``."""
+
+    @abstractmethod
+    def record(self, n: torch.fx.Node, e: int, s: int) -> None: ...
+
+    @abstractmethod
+    def join(self) -> None: ...
+
+    # -- the walk ---------------------------------------------------------
+
+    def run(self) -> None:
+        nodes = list(self.graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        # After the last placeholder, not the first non-placeholder: graphs
+        # from torch.export put their get_attr nodes before the inputs.
+        last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+        with self.graph.inserting_before(nodes[last + 1]):
+            self.fork(placeholders)
+        for n in nodes:
+            kind = self.analysis.kind[n]
+            if kind == DEVICE:
+                self._device_node(n)
+            elif kind == OUTPUT:
+                self._output(n)
+            elif kind != CONST:
+                self._constants_for(n, self.current)
+        constants: Dict[str, List[int]] = {}
+        for (c, s), _ in sorted(self.copies.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
+            constants.setdefault(c.name, []).append(s)
+        for c in reversed(self.analysis.constants):
+            if not c.users:
+                self.graph.erase_node(c)
+        self.plan.constants = constants
+
+    def _device_node(self, n: torch.fx.Node) -> None:
+        i = self.analysis.index[n]
+        s = self.stream[i]
+        keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
+        keeps += self._inputs_first_read(n, s)
+        if self.needs_sync(s, self.waits[i], keeps):
+            with self.graph.inserting_before(n):
+                self.sync(s, self.waits[i], keeps)
+            self.current = s
+        self._constants_for(n, s)
+        self.place(n, s)
+        if self.event[i] >= 0:
+            with self.graph.inserting_after(n):
+                self.record(n, self.event[i], s)
+
+    def _output(self, n: torch.fx.Node) -> None:
+        # Outputs made on a side stream are used on the caller's stream from
+        # here on: tell the allocator (pytorch#165391 does the same for
+        # Inductor's user streams). Constants the output reads are made on
+        # the caller's stream.
+        keeps = [
+            v
+            for v in n.all_input_nodes
+            if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
+        ]
+        if keeps or any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
+            with self.graph.inserting_before(n):
+                self.sync(0, [], keeps)
+            self.current = 0
+        self._constants_for(n, 0)
+        with self.graph.inserting_before(n):
+            self.join()
+        self.current = 0
+
+    def _constants_for(self, n: torch.fx.Node, s: int) -> None:
+        """Re-create on stream ``s`` each constant ``n`` reads (once per
+        stream), and each view of constants it reads (``arange(n)[:, None]``
+        as an index: the view of a copy made on another stream would be read
+        here unordered; the stream sanitizer found it in GPT-2)."""
+        for c in list(n.all_input_nodes):
+            if not self._constant_made(c):
+                continue
+            key = (c, s)
+            if key not in self.copies:
+                with self.graph.inserting_before(n):
+                    self.copies[key] = self.graph.node_copy(c)
+                # A copy is what its original is (a view of constants can
+                # be reached through copies made for other streams).
+                self.analysis.kind[self.copies[key]] = self.analysis.kind[c]
+                self.place(self.copies[key], s)
+                # zeros_like(c2) where c2 is a constant too.
+                self._constants_for(self.copies[key], s)
+            n.replace_input_with(c, self.copies[key])
+
+    def _constant_made(self, c: torch.fx.Node) -> bool:
+        """``c`` is a constant, or a view of constants only."""
+        kind = self.analysis.kind.get(c)
+        if kind == CONST:
+            return True
+        if kind != ALIAS or self.analysis.roots(c):
+            return False
+        return any(self._constant_made(a) for a in c.all_input_nodes)
+
+    def _inputs_first_read(self, n: torch.fx.Node, s: int) -> List[torch.fx.Node]:
+        """Forward's inputs that ``n`` reads, directly or through views, on
+        side stream ``s`` for the first time (see the module doc)."""
+        if s == 0:
+            return []
+        found: List[torch.fx.Node] = []
+        for v in n.all_input_nodes:
+            for p in self._input_roots(v):
+                if (p, s) not in self.kept_inputs:
+                    self.kept_inputs.add((p, s))
+                    found.append(p)
+        return found
+
+    def _input_roots(self, v: torch.fx.Node) -> List[torch.fx.Node]:
+        kind = self.analysis.kind.get(v)
+        if kind == INPUT:
+            return [v]
+        if kind != ALIAS:
+            return []
+        return [p for a in v.all_input_nodes for p in self._input_roots(a)]

@@ -114,7 +114,7 @@ _SANITIZED_MODULES = frozenset(
         "test_fx_analysis",
         "test_stream_ops",
         "test_stream_scope",
-        "test_streams",
+        "test_multi_stream",
     }
 )
 

@@ -214,13 +214,15 @@ Assignment run_critical_path(
   std::vector<double> finish(n, 0.0);
   std::vector<double> free_at(num_streams, 0.0);
   std::unordered_map<int, int> group_stream;
-  // When u's inputs are ready on stream c.
+  // When u's inputs are ready on stream c. A node without predecessors
+  // reads only the graph's inputs, made on the caller's stream 0: another
+  // stream gets them through the fork's event.
   auto arrival = [&dag, sync_cost](
                      int u,
                      int c,
                      const std::vector<int>& stream,
                      const std::vector<double>& finish) {
-    double ready = 0.0;
+    double ready = dag.predecessors(u).empty() && c != 0 ? sync_cost : 0.0;
     for (const int p : dag.predecessors(u)) {
       ready = std::max(ready, finish[p] + (stream[p] == c ? 0.0 : sync_cost));
     }
@@ -247,13 +249,17 @@ Assignment run_critical_path(
       s = producer >= 0 ? out.stream[producer] : 0;
     } else {
       // The stream that can start u earliest, data from other streams
-      // arriving sync_cost later; on a tie the producer's stream (no event
-      // needed), then the lowest number.
+      // arriving sync_cost later. Leaving the producer's stream must win
+      // more than one sync besides: what u makes likely goes back (the
+      // join, or a consumer on the producer's stream), so work too small
+      // to pay for both events stays. On a tie the producer's stream (no
+      // event needed), then the lowest number.
       const int preferred = producer >= 0 ? out.stream[producer] : 0;
       double best_start = 0.0;
       for (int c = 0; c < num_streams; ++c) {
         const double start =
-            std::max(free_at[c], arrival(u, c, out.stream, finish));
+            std::max(free_at[c], arrival(u, c, out.stream, finish)) +
+            (c == preferred ? 0.0 : sync_cost);
         const bool better = s < 0 || start < best_start ||
             (start == best_start && c == preferred && s != preferred);
         if (better) {

@@ -16,8 +16,8 @@
 //      critical_path list scheduling by longest remaining weighted path; each
 //                    node goes to the stream that can start it earliest,
 //                    where data from another stream arrives sync_cost
-//                    later (the event between them); zero-cost nodes
-//                    follow their producer.
+//                    later (the event between them; the graph's inputs are
+//                    on stream 0); zero-cost nodes follow their producer.
 //      embedding     each embedding group (a lookup and what hangs only off
 //                    it) on its own stream, round robin; the rest by min_sync.
 //      user          fixed placements only; everything else on stream 0.

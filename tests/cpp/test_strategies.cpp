@@ -388,6 +388,15 @@ TEST(Strategies, CriticalPathSpreadsOnlyWorkThatPaysForItsEvents) {
   EXPECT_EQ(
       critical_path(weighted_diamond(10.0), 4, 1.0),
       (std::vector<int>{0, 0, 1, 1}));
+  // Two independent nodes read only the graph's inputs, on stream 0:
+  // another stream gets them through the fork's event.
+  Dag pair(2);
+  pair.set_cost(0, 0.5);
+  pair.set_cost(1, 0.5);
+  EXPECT_EQ(critical_path(pair, 4, 1.0), (std::vector<int>{0, 0}));
+  pair.set_cost(0, 10.0);
+  pair.set_cost(1, 10.0);
+  EXPECT_EQ(critical_path(pair, 4, 1.0), (std::vector<int>{0, 1}));
   // A chain never leaves its stream, whatever the costs.
   Dag chain = make_dag(4, {{0, 1}, {1, 2}, {2, 3}});
   EXPECT_EQ(critical_path(chain, 4, 3.0), (std::vector<int>{0, 0, 0, 0}));

@@ -140,6 +140,9 @@ class GraphAnalysis:
         num_streams: the pool size annotations are checked against.
         graph: the graph to analyse, if not ``gm.graph`` (a copy about to
             be rewritten).
+        colocate: groups of node names that should share a stream (the
+            nodes of one kernel a compiler fuses), unless annotations put
+            them apart.
     """
 
     def __init__(
@@ -149,7 +152,9 @@ class GraphAnalysis:
         cost_model: Optional[Callable[[torch.fx.Node], float]],
         num_streams: int,
         graph: Optional[torch.fx.Graph] = None,
+        colocate: Sequence[Sequence[str]] = (),
     ):
+        self._colocate = colocate
         # Each node is run on meta stand-ins once, though its writes, its
         # aliases and its module's state are asked about separately.
         with probe_cache():
@@ -491,6 +496,10 @@ class GraphAnalysis:
             producer = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
             if producer is not None and producer in self.index:
                 join(self.index[producer], i, False)
+        for names in self._colocate:
+            members = [self.index[by_name[m]] for m in names if by_name.get(m) in self.index]
+            for i in members[1:]:
+                join(members[0], i, False)
         colocation = [-1] * count
         sizes: Dict[int, int] = {}
         for i in range(count):

@@ -27,6 +27,7 @@ __all__ = [
     "FLOPS_PER_US",
     "LAUNCH_US",
     "MAY_COPY",
+    "SYNC_US",
     "default_cost",
     "is_view",
     "may_copy",
@@ -34,6 +35,9 @@ __all__ = [
 
 #: Kernel launch overhead, microseconds.
 LAUNCH_US = 5.0
+#: A dependency between two streams: an event recorded on one and waited
+#: on by the other, about a launch's worth of host and device time.
+SYNC_US = LAUNCH_US
 #: Nominal compute throughput: 10 TFLOP/s.
 FLOPS_PER_US = 10e12 / 1e6
 #: Nominal memory bandwidth: 500 GB/s.

@@ -51,6 +51,8 @@ class StreamPlan:
         constants: constant node name -> streams it is created on.
         cross_stream_edges: dependencies between nodes on different streams
             (each is ordered by a wait, directly or through earlier ones).
+        note: what became of the plan where it did not run as planned (the
+            compile backend on a device without streams), else empty.
     """
 
     strategy: str
@@ -66,6 +68,7 @@ class StreamPlan:
     cross_stream_edges: int = 0
     chains: int = 0
     groups: int = 0
+    note: str = ""
 
     @property
     def streams_used(self) -> List[int]:
@@ -79,6 +82,8 @@ class StreamPlan:
             f"{len(used)} of {self.num_streams} streams used, {len(self.events)} events, "
             f"{len(self.waits)} waits for {self.cross_stream_edges} cross-stream dependencies"
         ]
+        if self.note:
+            lines.append(f"  note: {self.note}")
         if self.fork:
             lines.append(f"  fork: streams {self.fork} wait for stream 0 (the caller's)")
         waits: Dict[str, List[PlanWait]] = {}

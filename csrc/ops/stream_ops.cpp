@@ -12,9 +12,11 @@
 // CSE or reorder them (Node::hasSideEffects() is true only for conservative
 // ops; cuda::set_stream is special-cased there for the same reason). The
 // Python side also marks them side-effecting for torch.fx
-// (torch_stage/fx/_ops.py).
+// (torch_stage/streams/fx/_ops.py).
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "streams/stream_pool.h"
 #include "streams/stream_run.h"
@@ -145,6 +147,25 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
   m.def("stream_pool_size(Device device) -> int", [](c10::Device device) {
     return StreamPool::size(device);
   });
+  // Side stream `index` (1..kMaxStreams-1) of the pool, as the three
+  // numbers torch.Stream(stream_id, device_index, device_type) takes: the
+  // compile backend hands the same streams to inductor's generated code.
+  m.def(
+      "side_stream(Device device, int index) -> int[]",
+      [](c10::Device device, int64_t index) {
+        TORCH_CHECK_VALUE(
+            index >= 1 && index < kMaxStreams,
+            "side_stream: index must be in 1..",
+            kMaxStreams - 1,
+            ", got ",
+            index);
+        const c10::Stream s =
+            StreamPool::side_streams(device, index + 1).at(index - 1);
+        return std::vector<int64_t>{
+            s.id(),
+            static_cast<int64_t>(s.device_index()),
+            static_cast<int64_t>(s.device_type())};
+      });
 
   // TorchScript's `with` accepts an object whose class has __enter__(self)
   // and __exit__(self, Any, Any, Any) (ir_emitter's emitWith); custom

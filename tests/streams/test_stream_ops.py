@@ -335,8 +335,21 @@ def test_a_cuda_run_uses_the_callers_stream_and_the_shared_pool():
         assert again.stream_ids()[1:] == ids[1:3]
         ops.join(again, [1, 2])
     assert ops.stream_pool_size(torch.device("cuda:0")) >= 3
+    # The compile backend's view of the same streams.
+    for k in (1, 2, 3):
+        sid, index, dtype = ops.side_stream(torch.device("cuda:0"), k)
+        assert sid == ids[k] and index == 0
+        assert torch.Stream(
+            stream_id=sid, device_index=index, device_type=dtype
+        ) == torch.cuda.Stream(stream_id=ids[k], device_index=0, device_type=dtype)
     torch.cuda.synchronize()
     assert torch.equal(y, x * 2)
+
+
+@pytest.mark.parametrize("index", [0, 32, -1])
+def test_side_stream_numbers_outside_the_pool_are_named(index):
+    with pytest.raises(ValueError, match=f"side_stream: index must be in 1..31, got {index}"):
+        ops.side_stream(torch.device("cpu"), index)
 
 
 @pytest.mark.cuda

@@ -1,7 +1,13 @@
-"""The torch.compile backend "torch_stage" (torch_stage/compile_backend.py):
-registration (entry point and backend objects), options, the model zoo
-under fullgraph=True, training, annotations inside compiled code, graph
-breaks, and Dynamo's own user streams."""
+"""The torch.compile backend "torch_stage"
+(torch_stage/streams/compile_backend.py): registration (entry point and
+backend objects), options, modes and executors, the model zoo under
+fullgraph=True against inductor and eager, training, annotations inside
+compiled code, graph breaks, and Dynamo's own user streams.
+
+On this CPU machine the inductor executor gets each graph as Dynamo made it
+(the CPU has no streams), so it must compile exactly what inductor alone
+compiles; the program it gets where there are streams is tested in
+fx/test_fx_user_streams.py."""
 
 import copy
 import os
@@ -36,6 +42,12 @@ def _run(fn, inputs, seed=7):
     return fn(*[t.clone() for t in inputs])
 
 
+def _inductor(module, **kwargs):
+    """torch.compile(module) with inductor alone, from scratch."""
+    torch._dynamo.reset()
+    return torch.compile(module, **kwargs)
+
+
 # -- registration ---------------------------------------------------------
 
 
@@ -63,31 +75,121 @@ def test_backend_name_works_without_importing_torch_stage(run_python):
     assert proc.stdout.strip().endswith("ok")
 
 
-def test_backend_objects_are_backends_and_record_their_plans():
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_backend_objects_are_backends_and_record_their_plans(executor):
     entry = ENTRIES["inception"]
     module = build(entry).eval()
     inputs = entry.inputs(2, "cpu")
-    backend = torch_stage.backend(num_streams=3, strategy="min_sync")
+    backend = torch_stage.backend(num_streams=3, strategy="min_sync", executor=executor)
     assert isinstance(backend, torch_stage.Backend)
     compiled = torch.compile(module, backend=backend, fullgraph=True)
-    assert torch.equal(_run(compiled, inputs), _run(module, inputs))
-    assert len(backend.plans) == 1
+    expected = _run(_inductor(module) if executor == "inductor" else module, inputs)
+    torch._dynamo.reset()
+    assert torch.equal(_run(compiled, inputs), expected)
+    assert len(backend.plans) == 1 and len(backend.graphs) == 1
     plan = backend.plans[0]
     assert plan.strategy == "min_sync"
     assert plan.streams_used == [0, 1, 2]
     assert "num_streams=3" in repr(backend) and "strategy='min_sync'" in repr(backend)
+    assert f"executor={executor!r}" in repr(backend)
+
+
+def test_the_default_executor_is_inductor_on_this_torch():
+    assert compile_backend.compiled_streams_available()
+    assert torch_stage.backend().executor == "inductor"
+    assert compile_backend.COMPILED_STREAMS_RELEASE == (2, 13)
+
+
+def test_a_torch_without_compiled_streams_runs_eager_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(compile_backend, "compiled_streams_available", lambda: False)
+    monkeypatch.setattr(compile_backend, "_warned_release", False)
+    with pytest.warns(UserWarning, match=r"needs torch >= 2\.13.*executor='eager'"):
+        backend = torch_stage.backend()
+    assert backend.executor == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch_stage.backend().executor == "eager"  # said once
+        assert torch_stage.backend(executor="eager").executor == "eager"
+    for executor in ("inductor", "aot_eager"):
+        with pytest.raises(RuntimeError, match=rf"executor='{executor}' needs torch >= 2\.13"):
+            torch_stage.backend(executor=executor)
 
 
 def test_unknown_options_are_an_error_that_lists_the_known_ones():
     message = (
-        r"unknown torch_stage backend options 'colour', 'streams': the known options are "
-        r"cost_model, cuda_graphs, num_streams, strategy, verify, warmup"
+        r"unknown torch_stage backend options 'colour', 'streams': the backend's options are "
+        r"cost_model, cuda_graphs, executor, num_streams, strategy, verify, warmup and mode; "
+        r"any other must be an inductor option \(torch._inductor.list_options\(\)\)"
     )
     with pytest.raises(ValueError, match=message):
         torch_stage.backend(streams=2, colour="red")
     compiled = torch.compile(nn.Linear(2, 2), backend="torch_stage", options={"streams": 2})
     with pytest.raises(Exception, match="unknown torch_stage backend option 'streams'"):
         compiled(torch.ones(1, 2))
+
+
+def test_inductor_options_and_modes_pass_through(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    seen = []
+    real = compile_fx.compile_fx
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(kwargs.get("config_patches"))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", spy)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    options = {"num_streams": 2, "epilogue_fusion": False, "triton.unique_kernel_names": True}
+    compiled = torch.compile(model, backend="torch_stage", options=options)
+    torch.testing.assert_close(compiled(x), model(x))
+    # (compile_fx calls itself once the patches are applied, without them.)
+    assert seen[0] == {"epilogue_fusion": False, "triton.unique_kernel_names": True}
+    backend = torch_stage.backend(**options)
+    assert backend.inductor == {"epilogue_fusion": False, "triton.unique_kernel_names": True}
+    torch._dynamo.reset()
+    seen.clear()
+    compiled = torch.compile(model, backend="torch_stage", mode="max-autotune-no-cudagraphs")
+    torch.testing.assert_close(compiled(x), model(x))
+    assert seen[0]["max_autotune"] is True
+    torch._dynamo.reset()
+    # inductor's CUDA graphs: on the CPU inductor leaves them out, as for
+    # torch.compile(mode="reduce-overhead") alone.
+    seen.clear()
+    compiled = torch.compile(model, backend="torch_stage", mode="reduce-overhead")
+    torch.testing.assert_close(compiled(x), model(x))
+    assert seen[0] == {"triton.cudagraphs": True}
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (
+            {"executor": "fast"},
+            ValueError,
+            "executor must be one of 'inductor', 'aot_eager', 'eager' \\(or None\\), got 'fast'",
+        ),
+        ({"mode": "fastest"}, ValueError, "unknown mode 'fastest'; use one of 'default'"),
+        (
+            {"executor": "eager", "max_autotune": True},
+            ValueError,
+            r"inductor options \(max_autotune\) need executor='inductor'",
+        ),
+        (
+            {"executor": "eager", "mode": "max-autotune"},
+            ValueError,
+            "mode='max-autotune' autotunes inductor's kernels: it needs executor='inductor'",
+        ),
+        (
+            {"executor": "aot_eager", "mode": "reduce-overhead"},
+            ValueError,
+            "executor='aot_eager' runs the program op by op: no CUDA graphs and no mode",
+        ),
+    ],
+)
+def test_bad_executor_and_mode_combinations_are_named(options, error, message):
+    with pytest.raises(error, match=message):
+        torch_stage.backend(**options)
 
 
 @pytest.mark.parametrize(
@@ -107,8 +209,8 @@ def test_bad_option_values_are_named(options, error, message):
 
 
 def test_an_unknown_mode_is_an_error():
-    with pytest.raises(ValueError, match="unknown mode; use 'default', 'reduce-overhead'"):
-        compile_backend.torch_stage_backend(None, [], mode="max-autotune")
+    with pytest.raises(ValueError, match="unknown mode 'fast'; use one of 'default', 'reduce-"):
+        compile_backend.torch_stage_backend(None, [], mode="fast")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
@@ -116,9 +218,8 @@ def test_cuda_graphs_without_a_gpu_is_a_clear_error():
     message = r"cuda_graphs=True needs a CUDA device, but .*Leave cuda_graphs=False"
     with pytest.raises(RuntimeError, match=message):
         torch_stage.backend(cuda_graphs=True)
-    compiled = torch.compile(nn.Linear(2, 2), backend="torch_stage", mode="reduce-overhead")
-    with pytest.raises(Exception, match="cuda_graphs=True needs a CUDA device"):
-        compiled(torch.ones(1, 2))
+    with pytest.raises(RuntimeError, match=message):
+        torch_stage.backend(executor="eager", mode="reduce-overhead")
 
 
 # -- the zoo ---------------------------------------------------------------
@@ -129,7 +230,7 @@ def test_cuda_graphs_without_a_gpu_is_a_clear_error():
 def test_zoo_compiles_with_fullgraph_and_matches_eager(entry, device):
     module = build(entry, device).eval()
     inputs = entry.inputs(4, device)
-    backend = torch_stage.backend(num_streams=4, verify=True)
+    backend = torch_stage.backend(num_streams=4, verify=True, executor="eager")
     compiled = torch.compile(module, backend=backend, fullgraph=True)
     with torch.no_grad():
         for seed in (1, 2):
@@ -142,9 +243,86 @@ def test_zoo_compiles_with_fullgraph_and_matches_eager(entry, device):
         assert plan.streams_used == [0]
 
 
-def test_rec_model_lookups_go_round_robin_in_the_compiled_graph():
-    entry = ENTRIES["rec_8_towers"]
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def _normalized(code: str) -> str:
+    """inductor's generated code without what differs from compile to
+    compile of the same graph (paths and hashes of its kernels)."""
+    import re
+
+    code = re.sub(r"# AOT ID: .*", "", code)
+    code = re.sub(r"/tmp/[^'\"]+", "<path>", code)
+    return re.sub(r"\b[a-z0-9]{52}\b", "<hash>", code)
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+def test_on_the_cpu_inductor_compiles_exactly_what_it_compiles_alone(entry):
+    # The CPU has no streams: the plan is made and recorded, and inductor
+    # gets Dynamo's graph as it is.
+    from torch._inductor.utils import run_and_get_code
+
+    module = build(entry).eval()
+    inputs = entry.inputs(4, "cpu")
     backend = torch_stage.backend(num_streams=4)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        ours, codes = run_and_get_code(
+            torch.compile(module, backend=backend, fullgraph=True), *inputs
+        )
+        torch._dynamo.reset()
+        torch.manual_seed(3)
+        theirs, their_codes = run_and_get_code(torch.compile(module, fullgraph=True), *inputs)
+    assert torch.equal(ours, theirs)
+    assert [_normalized(c) for c in codes] == [_normalized(c) for c in their_codes]
+    assert "torch.ops.streams" not in "".join(codes)
+    plan = backend.plans[0]
+    if len(plan.streams_used) > 1:
+        assert plan.note.startswith("not applied: cpu has no streams"), str(plan)
+    else:
+        assert plan.note.startswith("one stream"), str(plan)
+    graph = backend.graphs[0].graph
+    assert not any("stream" in (n.meta.get("custom") or {}) for n in graph.nodes)
+
+
+_OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(_OPTIMIZERS))
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+def test_training_steps_on_inductor_equal_inductor_alone_and_eager(entry, optimizer):
+    def train(model, compiled, steps=3):
+        opt = _OPTIMIZERS[optimizer](model.parameters())
+        losses = []
+        for step in range(steps):
+            torch.manual_seed(11 + step)
+            opt.zero_grad()
+            loss = compiled(*[t.clone() for t in inputs]).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    inputs = entry.inputs(4, "cpu")
+    eager = build(entry).train()
+    ours, alone = copy.deepcopy(eager), copy.deepcopy(eager)
+    backend = torch_stage.backend(num_streams=4)
+    got = train(ours, torch.compile(ours, backend=backend, fullgraph=True))
+    torch._dynamo.reset()
+    expected = train(alone, torch.compile(alone, fullgraph=True))
+    train(eager, eager)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    for (name, p), q, r in zip(alone.named_parameters(), ours.parameters(), eager.parameters()):
+        assert torch.equal(q, p), name
+        if not entry.random:
+            torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_rec_model_lookups_go_round_robin_in_the_compiled_graph(executor):
+    entry = ENTRIES["rec_8_towers"]
+    backend = torch_stage.backend(num_streams=4, executor=executor)
     compiled = torch.compile(build(entry).eval(), backend=backend, fullgraph=True)
     compiled(*entry.inputs(2, "cpu"))
     plan = backend.plans[0]
@@ -176,7 +354,7 @@ def _train(model, inputs, steps, seed=11):
 def test_sgd_steps_through_the_compiled_model_equal_eager(entry, device):
     eager = build(entry, device).train()
     compiled_model = copy.deepcopy(eager)
-    backend = torch_stage.backend(num_streams=4)
+    backend = torch_stage.backend(num_streams=4, executor="eager")
     compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
     inputs = entry.inputs(4, device)
     expected = _train(eager, inputs, steps=3)
@@ -221,12 +399,13 @@ class Annotated(nn.Module):
 @pytest.mark.skipif(
     not _annotations._DYNAMO_CARRIES_ANNOTATIONS, reason="this torch's Dynamo drops annotations"
 )
-def test_annotations_inside_compiled_code_are_honoured():
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_annotations_inside_compiled_code_are_honoured(executor):
     model = Annotated()
     x = torch.randn(3, 8)
-    backend = torch_stage.backend(num_streams=4)
+    backend = torch_stage.backend(num_streams=4, executor=executor)
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    assert torch.equal(compiled(x), model(x))
+    torch.testing.assert_close(compiled(x), model(x))
     plan = backend.plans[0]
     # Dynamo's graph (names are Dynamo's):
     #
@@ -265,7 +444,7 @@ def test_a_torch_whose_dynamo_drops_annotations_warns(monkeypatch):
     monkeypatch.setattr(_annotations, "_DYNAMO_CARRIES_ANNOTATIONS", False)
     model = Annotated()
     x = torch.randn(3, 8)
-    backend = torch_stage.backend(num_streams=4)
+    backend = torch_stage.backend(num_streams=4, executor="eager")
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -305,9 +484,10 @@ class DataDependent(nn.Module):
         return torch.cos(self.left(y)) * self.right(y)
 
 
-def test_data_dependent_control_flow_falls_back_to_graph_breaks():
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_data_dependent_control_flow_falls_back_to_graph_breaks(executor):
     model = DataDependent()
-    backend = torch_stage.backend(num_streams=2)
+    backend = torch_stage.backend(num_streams=2, executor=executor)
     compiled = torch.compile(model, backend=backend)
     positive, negative = torch.full((2, 4), 3.0), torch.full((2, 4), -3.0)
     with torch.no_grad():
@@ -316,10 +496,13 @@ def test_data_dependent_control_flow_falls_back_to_graph_breaks():
             linear.weight.copy_(torch.eye(4))
             linear.bias.zero_()
         for x in (positive, negative, positive):
-            assert torch.equal(compiled(x), model(x))
-    # One graph before the break and one per branch taken, each planned.
+            torch.testing.assert_close(compiled(x), model(x))
+    # One graph before the break and one per branch taken, each planned:
+    # without costs (eager) the two linears of each go side by side; on
+    # inductor's costs, 4x4 linears do not pay for an event.
     assert len(backend.plans) == 3
-    assert all(len(p.streams_used) == 2 for p in backend.plans)
+    used = 2 if executor == "eager" else 1
+    assert all(len(p.streams_used) == used for p in backend.plans), backend.plans
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported, match="Data-dependent"):
         torch.compile(model, backend=backend, fullgraph=True)(positive)
@@ -349,7 +532,7 @@ def test_dynamo_user_streams_map_onto_the_pool():
     out = graph.call_function(torch.add, (out, c))
     graph.output(out)
     gm = torch.fx.GraphModule(nn.Module(), graph)
-    backend = torch_stage.backend(num_streams=4)
+    backend = torch_stage.backend(num_streams=4, executor="eager")
     with pytest.warns(UserWarning, match=r"2 user stream\(s\) .* side streams \[1, 2\] of 4"):
         compiled = backend(gm, [torch.ones(3)])
     plan = backend.plans[0]
@@ -372,13 +555,15 @@ def test_fold_user_streams_onto_the_side_streams():
 
 
 @pytest.mark.cuda
-def test_backward_after_a_multi_stream_forward_is_correct_on_gpu():
-    # The forward of each branch runs on its own stream; autograd runs each
-    # backward op on its forward's stream and synchronises across them.
+@pytest.mark.parametrize("executor", ["inductor", "aot_eager", "eager"])
+def test_backward_after_a_multi_stream_forward_is_correct_on_gpu(executor):
+    # The forward of each branch runs on its own stream; the backward on the
+    # forward's streams (AOTAutograd's program, or autograd op by op),
+    # synchronised across them.
     entry = ENTRIES["inception"]
     eager = build(entry, "cuda").train()
     compiled_model = copy.deepcopy(eager)
-    backend = torch_stage.backend(num_streams=4)
+    backend = torch_stage.backend(num_streams=4, executor=executor)
     compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
     caller = caller_stream()
     with torch.cuda.stream(caller):
@@ -408,7 +593,7 @@ import torch_stage
 
 entry = {{e.name: e for e in ZOO}}[{name!r}]
 model = build(entry, "cuda").train()
-backend = torch_stage.backend(num_streams=4)
+backend = torch_stage.backend(num_streams=4, executor="eager")
 made = []
 
 def recording(gm, example_inputs):

@@ -145,7 +145,9 @@ def test_reduce_overhead_mode_means_cuda_graphs():
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), module(x))
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend=torch_stage.backend(cuda_graphs=True))
+    compiled = torch.compile(
+        module, backend=torch_stage.backend(cuda_graphs=True, executor="eager")
+    )
     with pytest.raises(Exception, match="replays inference only"):
         compiled(x.requires_grad_())
 

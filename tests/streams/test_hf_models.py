@@ -172,16 +172,21 @@ def test_training_through_the_exported_plan_is_race_free_and_bit_equal():
     assert all(torch.equal(grads[k], p.grad) for k, p in model.named_parameters() if k in grads)
 
 
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
 @pytest.mark.parametrize("name", MODELS)
-def test_compile_backend_equals_dynamo_with_the_eager_backend(name):
+def test_compile_backend_equals_the_compiler_it_runs_on(name, executor):
+    # The eager executor runs Dynamo's graph: as Dynamo's eager backend. The
+    # inductor executor on the CPU compiles Dynamo's graph as it is: as
+    # inductor alone.
     model = build(name)
     x = ids(2, 16)
     with torch.no_grad():
         torch._dynamo.reset()
-        expected = torch.compile(model, backend="eager")(x)
+        expected = torch.compile(model, backend="eager" if executor == "eager" else "inductor")(x)
         torch._dynamo.reset()
+        options = {"num_streams": 4, "executor": executor}
         with torch_stage.sanitize_streams():
-            got = torch.compile(model, backend="torch_stage", options={"num_streams": 4})(x)
+            got = torch.compile(model, backend="torch_stage", options=options)(x)
         ref = model(x)
     assert type(got) is type(ref)
     assert torch.equal(got.last_hidden_state, expected.last_hidden_state)

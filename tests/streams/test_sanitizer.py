@@ -426,7 +426,7 @@ def test_compiled_training_steps_are_race_free_and_equal_eager(make_opt):
     torch.manual_seed(0)
     eager = _Towers()
     ours = copy.deepcopy(eager)
-    backend = torch_stage.backend(num_streams=4, strategy="min_sync")
+    backend = torch_stage.backend(num_streams=4, strategy="min_sync", executor="eager")
     opt_eager, opt_ours = make_opt(eager.parameters()), make_opt(ours.parameters())
     model = torch.compile(ours, backend=backend)
 

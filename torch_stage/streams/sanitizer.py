@@ -187,10 +187,13 @@ class _Storage:
 
 
 class _Thread:
-    __slots__ = ("current", "scopes", "backward", "untagged")
+    __slots__ = ("current", "scopes", "backward", "untagged", "program")
 
     def __init__(self):
         self.current = DEFAULT_STREAM
+        # (stream, FX node) of the stream program node this thread runs
+        # (torch_stage.streams.fx.program), or None.
+        self.program: Optional[Tuple[str, Optional[str]]] = None
         # Outputs of the last op and its stream: autograd sets their grad_fn
         # after the dispatch mode returns, so they are tagged at the next op.
         self.untagged: List[Tuple[torch.Tensor, str]] = []
@@ -429,6 +432,62 @@ class StreamSanitizer(TorchDispatchMode):
             if clock is not None:
                 self._merge(self._thread().current, clock)
 
+    # -- stream programs run op by op (torch_stage.streams.fx.program) -------
+    #
+    # A compiled stream program (AOTAutograd's graphs, ``torch.ops.streams``
+    # events, a stream per node) runs on the calling thread; its runner
+    # tells the model which stream each node runs on and what each stream
+    # op does. Events are the program's side-table indices, per thread (the
+    # compiled code's events are per thread too).
+
+    def _program_base(self) -> str:
+        """The stream the calling thread's ops run on outside a program: a
+        program's caller's stream (in a backward pass, the stream the
+        engine runs the program's autograd node on)."""
+        with self._lock:
+            self._thread().program = None
+            return self._op_stream()
+
+    def _program_at(self, stream: Optional[str], node: Optional[str]) -> None:
+        """The calling thread runs program node ``node`` on ``stream``
+        (None: the program ended)."""
+        with self._lock:
+            self._thread().program = None if stream is None else (stream, node)
+
+    def _program_record(self, event: int, stream: str) -> None:
+        with self._lock:
+            key = ("program", threading.get_ident(), event)
+            self._events[key] = dict(self._clock(stream))
+
+    def _program_wait(self, event: int, stream: str) -> None:
+        with self._lock:
+            key = ("program", threading.get_ident(), event)
+            self._merge(stream, self._events.get(key, {}))
+
+    def _program_wait_stream(self, waiting: str, waited: str) -> None:
+        with self._lock:
+            self._merge(waiting, dict(self._clock(waited)))
+
+    def _program_host_sync(self) -> None:
+        """The host waited for the device: whatever any stream issues next
+        comes after everything issued so far."""
+        with self._lock:
+            union: _Clock = {}
+            for clock in self._clocks.values():
+                for s, v in clock.items():
+                    union[s] = max(union.get(s, 0), v)
+            for name in list(self._clocks):
+                self._merge(name, union)
+
+    def _program_keep(self, value: Any, stream: str) -> None:
+        """``record_stream``: the storages in ``value`` are used on
+        ``stream``."""
+        with self._lock:
+            for t in _tensors(value):
+                state = self._storage_of(t)
+                if state is not None:
+                    state.recorded.add(stream)
+
     # -- storages and accesses ---------------------------------------------
 
     def _tick(self, stream: str) -> int:
@@ -612,7 +671,7 @@ class StreamSanitizer(TorchDispatchMode):
         if node is None:
             if state.backward is not None:
                 self._end_backward(state)
-            return state.current
+            return state.current if state.program is None else state.program[0]
         bw = state.backward
         if bw is None:
             bw = state.backward = _Backward(state.current, dict(self._clock(state.current)))
@@ -630,6 +689,11 @@ class StreamSanitizer(TorchDispatchMode):
                 bw.stream = bw.caller
             bw.streams.add(bw.stream)
             self._merge(bw.stream, bw.frontier)
+        if state.program is not None:
+            # A compiled backward runs as one autograd node: the engine
+            # orders that node's stream (bw.stream) after its inputs, and
+            # none of the streams the program switches to.
+            return state.program[0]
         return bw.stream
 
     def _merge_into_frontier(self, bw: _Backward, stream: str) -> None:
@@ -651,7 +715,8 @@ class StreamSanitizer(TorchDispatchMode):
         state.current = bw.caller
 
     def _where(self) -> Tuple[Optional[str], Tuple[Tuple[str, int, str], ...]]:
-        node = None
+        program = self._thread().program
+        node = program[1] if program is not None else None
         frames = []
         f = sys._getframe(2)
         while f is not None:

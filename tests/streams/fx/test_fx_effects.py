@@ -187,7 +187,8 @@ def test_multi_stream_orders_every_in_place_write(fn, strategy):
 def test_the_compile_backend_orders_every_in_place_write(fn):
     torch._dynamo.reset()
     x = torch.randn(64)
-    compiled = torch.compile(fn, backend=torch_stage.backend(num_streams=4, strategy="min_sync"))
+    backend = torch_stage.backend(num_streams=4, strategy="min_sync", executor="eager")
+    compiled = torch.compile(fn, backend=backend)
     with torch_stage.sanitize_streams() as sanitizer:
         out = compiled(x)
     assert sanitizer.races == []
@@ -354,7 +355,7 @@ def _autocast_plans():
     # (Not scripted: TorchScript runs the graph without eager autocast on
     # the CPU, in float32.)
     torch.manual_seed(0)
-    compiled = torch.compile(_SharedUnderAutocast(), backend="torch_stage")
+    compiled = torch.compile(_SharedUnderAutocast(), backend=torch_stage.backend(executor="eager"))
     return {"fx": planned, "compile_backend": compiled}
 
 

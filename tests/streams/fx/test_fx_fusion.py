@@ -2,11 +2,13 @@
 which nodes one fused kernel is made from, which run extern kernels, what
 each costs; and plans that keep a fusion unit on one stream."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from zoo import ZOO, build
 
+import torch_stage
 from torch_stage.streams.fx.fusion import inductor_view, lowers_to_extern
 
 ENTRIES = {e.name: e for e in ZOO}
@@ -75,3 +77,55 @@ def test_a_chain_of_pointwise_ops_is_one_unit_and_one_kernel():
 def test_a_graph_that_cannot_be_traced_to_aten_gives_no_view():
     gm, inputs = _captured(nn.Linear(4, 4), (torch.randn(2, 4),))
     assert inductor_view(gm, inputs[:1]) is None  # the weight and bias are missing
+
+
+@pytest.mark.parametrize("executor", ["inductor", "aot_eager"])
+def test_plans_keep_fusion_units_on_one_stream_and_chains_on_one_stream(executor):
+    entry = ENTRIES["inception"]
+    backend = torch_stage.backend(num_streams=4, executor=executor)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(build(entry).eval(), backend=backend, fullgraph=True)(*entry.inputs(2, "cpu"))
+    plan = backend.plans[0]
+    assert len({plan.assignment[n] for n in ("a", "b", "c", "d", "cat")}) == 1, str(plan)
+    assert len(plan.streams_used) >= 2, str(plan)
+    assert plan.strategy == "critical_path"  # costs known: inductor's view
+    for name in ("plain_chain", "residual_mlp"):
+        entry = ENTRIES[name]
+        backend = torch_stage.backend(num_streams=4, executor=executor)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(build(entry).eval(), backend=backend, fullgraph=True)(
+                *entry.inputs(2, "cpu")
+            )
+        assert backend.plans[0].streams_used == [0], str(backend.plans[0])
+        assert backend.tables == [None]
+    torch._dynamo.reset()
+
+
+def test_work_too_small_to_pay_for_an_event_stays_on_one_stream():
+    class Tiny(nn.Module):
+        # Two small independent branches: each a few elementwise ops, less
+        # than the event a second stream would cost.
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x).sin() + self.b(x).cos()
+
+    class Wide(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(1024, 1024), nn.Linear(1024, 1024)
+
+    def plan(module, width):
+        backend = torch_stage.backend(num_streams=4)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(module, backend=backend, fullgraph=True)(torch.randn(256, width))
+        return backend.plans[0]
+
+    assert plan(Tiny(), 4).streams_used == [0]
+    assert plan(Wide(), 1024).streams_used == [0, 1]
+    torch._dynamo.reset()

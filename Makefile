@@ -141,6 +141,7 @@ bench: build
 	$(PY) benchmarks/records_vs_tf_data.py --json > $(BUILD)/bench/records_vs_tf_data.json
 	$(CPP_BUILD)/benchmarks/cpp/records_bench --layout columns --json $(BUILD)/bench/records_bench.json
 	$(PY) benchmarks/multi_stream.py --json $(BUILD)/bench/multi_stream.json
+	$(PY) benchmarks/compile_backends.py --json $(BUILD)/bench/compile_backends.json
 
 # tf.data beside the records pipeline (benchmarks/records_vs_tf_data.py, and
 # record_pipeline.py's tf.data column). TensorFlow is never a test

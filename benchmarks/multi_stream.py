@@ -10,10 +10,11 @@
   - ``cuda_graph_single_stream`` / ``cuda_graph_multi_stream``: the same
     two replayed from CUDA graphs (``cuda_graphs=True``; GPU only);
   - ``compile_inductor``: ``torch.compile(module)`` (default backend);
-  - ``compile_torch_stage``: ``torch.compile(module, backend="torch_stage")``.
+  - ``compile_torch_stage``: ``torch.compile(module, backend="torch_stage")``
+    (on inductor; benchmarks/compile_backends.py compares the backends).
 
   Each row says whether every variant's results match eager (exactly for
-  the torch_stage variants on CPU, within float tolerance otherwise; random
+  the eager multi-stream variants on CPU, within float tolerance otherwise; random
   models are compared only where they draw in eager order), the plan's
   size, and times per call: on a GPU with CUDA events (``gpu_ms``, median of
   ``--iters`` calls after warm-up) and the ratio of each to eager single
@@ -103,14 +104,10 @@ def _variants(module, device, inductor):
 
 
 def _matches(name, expected, got, device, random_ops):
-    exact = device == "cpu" and name in (
-        "fx_graph_module",
-        "eager_multi_stream",
-        "compile_torch_stage",
-    )
+    exact = device == "cpu" and name in ("fx_graph_module", "eager_multi_stream")
     if exact:
         return bool(torch.equal(expected, got))
-    if random_ops and name not in ("eager_multi_stream", "compile_torch_stage"):
+    if random_ops and name != "eager_multi_stream":
         # Inductor and graph replay draw random numbers differently.
         return "not compared (random ops)"
     return bool(torch.allclose(expected, got, rtol=1e-4, atol=1e-5))

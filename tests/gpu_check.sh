@@ -14,9 +14,12 @@
 #      kernel), one pytest per file side by side (csan_<file>.log);
 #   3. beside step 2, the zoo's `cuda` tests (torchvision models on four
 #      real streams, and torch.cuda._sanitizer against each removed wait);
-#   4. benchmarks/device_staging.py (host-to-device staging against the
-#      plain ways), benchmarks/pinned_gather.py (its gather step, modelled),
-#      the demo and benchmarks/multi_stream.py (models section, GPU times).
+#   4. benchmarks/compile_backends.py (the torch_stage backend on inductor
+#      against inductor, with and without CUDA graphs: two branchy models,
+#      batch 1, forward), benchmarks/device_staging.py (host-to-device
+#      staging against the plain ways), benchmarks/pinned_gather.py (its
+#      gather step, modelled), the demo and benchmarks/multi_stream.py
+#      (models section, GPU times).
 # Logs and JSON go to OUT_DIR; the last lines say which step passed. Each
 # CSAN file stops at its fourth failure, so that their reports are printed
 # before its time runs out (pytest prints them at the end).
@@ -126,6 +129,9 @@ if [ -n "${ZOO_PID:-}" ]; then
 else
   SUMMARY+=("zoo on cuda: not run (no time left)")
 fi
+step "compile backends benchmark" 150 compile_backends.log "$PY" benchmarks/compile_backends.py \
+  --models inception,rec_8_towers --batches 1 --modes forward --rounds 3 \
+  --json "$OUT/compile_backends.json"
 step "device staging benchmark" 90 device_staging.log "$PY" benchmarks/device_staging.py \
   --items 20 --rounds 2 --json "$OUT/device_staging.json"
 step "pinned gather model" 40 pinned_gather.log "$PY" benchmarks/pinned_gather.py \

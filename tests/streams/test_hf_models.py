@@ -7,6 +7,7 @@ iterate over them), so multi_stream captures them with torch.export when
 example inputs are given (torch_stage/streams/fx/multi_stream_pass.py); the result
 keeps forward's call signature and output type."""
 
+import copy
 import warnings
 
 import pytest
@@ -214,3 +215,66 @@ def test_annotations_are_not_dropped_silently_by_the_export_fallback():
     x = torch.ones(2, 4)
     with pytest.raises(torch_stage.MultiStreamTraceError, match="does not keep its"):
         torch_stage.multi_stream(Annotated(), example_inputs=(x,))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_three_sgd_steps_on_inductor_match_inductor_alone_and_eager(name):
+    def train(model, compiled):
+        # SGD: Adam's step is lr times the gradient's sign wherever the
+        # gradient is tiny, so any two compilers' rounding moves those
+        # weights by lr.
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad()
+            compiled(ids(2, 16, seed=step)).last_hidden_state.square().mean().backward()
+            opt.step()
+
+    eager = build(name).train()
+    ours, alone = copy.deepcopy(eager), copy.deepcopy(eager)
+    torch._dynamo.reset()
+    train(ours, torch.compile(ours, backend=torch_stage.backend(num_streams=4)))
+    torch._dynamo.reset()
+    train(alone, torch.compile(alone))
+    torch._dynamo.reset()
+    train(eager, eager)
+    # (Not bit for bit: inductor's CPU code for an embedding's backward adds
+    # up rows in parallel, so two compiles of the same graph differ in the
+    # last bits too.)
+    for (key, p), q, r in zip(alone.named_parameters(), ours.parameters(), eager.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    from compiled_streams import emulate_streams
+
+    torch._dynamo.reset()
+    emulate_streams(monkeypatch)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_stream_program_inductor_gets_trains_race_free(name, emulated):
+    # PyTorch's stream passes run as on a GPU (tests/compiled_streams.py):
+    # the program AOTAutograd makes of the plan, forward and backward, run
+    # op by op under the stream sanitizer, equal to eager.
+    eager = build(name).train()
+    ours = copy.deepcopy(eager)
+    backend = torch_stage.backend(num_streams=4, executor="aot_eager")
+    compiled = torch.compile(ours, backend=backend)
+    x = ids(2, 16)
+    compiled(x).last_hidden_state.square().mean().backward()  # compiles
+    ours.zero_grad()
+    with torch_stage.sanitize_streams() as sanitizer:
+        got = compiled(x).last_hidden_state
+        got.square().mean().backward()
+    assert sanitizer.races == []
+    expected = eager(x).last_hidden_state
+    expected.square().mean().backward()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    for (key, p), q in zip(eager.named_parameters(), ours.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=key)
+    assert any(len(p.streams_used) > 1 for p in backend.plans), backend.plans

@@ -441,8 +441,11 @@ class Backend:
         start = table.registered()
         # AOTAutograd's cache would skip the passes that register the
         # backward's events in Dynamo's side table, which this compile's
-        # bytecode must fill.
-        with functorch_config.patch(enable_autograd_cache=False):
+        # bytecode must fill. And its common subexpression elimination
+        # ignores the stream a node runs on: it would make the copies of a
+        # constant made for each stream one node again, read across streams
+        # with no event (T5's position arange, on torch 2.13).
+        with functorch_config.patch(enable_autograd_cache=False, cse=False):
             compiled = compile_fn()
         table.adopt(start)
         return BackwardTable(compiled, table)

@@ -120,6 +120,19 @@ def test_the_plan_is_written_as_pytorch_writes_user_streams(emulated):
     assert plan.note == ""
 
 
+def test_the_side_tables_constructors_are_not_compiled(emulated):
+    # Dynamo's bytecode calls them before every call of the graph: traced,
+    # each would become a graph of its own, recompiled for every stream and
+    # event number.
+    model, x = TwoBranches(), torch.randn(64, 256)
+    backend = torch_stage.backend(num_streams=4, executor="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        compiled(x).sum().backward()
+    assert len(backend.plans) == 1
+    assert [kind for kind, _ in backend.programs] == ["forward", "backward"]
+
+
 def test_the_side_table_holds_torch_stages_streams_and_events(emulated):
     model, x = TwoBranches(), torch.randn(64, 256)
     backend = torch_stage.backend(num_streams=4, executor="aot_eager")
@@ -285,3 +298,37 @@ def test_a_backward_finds_its_objects_after_another_frame_refilled_the_side_tabl
     assert seen["stream"] is user_streams.side_stream("cpu", -1, 1)
     assert seen["event"] is user_streams.pooled_event("cpu", -1, 0)
     table_module.reset_user_object_tracking()
+
+
+class EndsInNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))
+        self.b = nn.Linear(512, 512)
+        self.norm = nn.LayerNorm(512)
+
+    def forward(self, x):
+        return self.norm(self.a(x) + self.b(x)).relu()
+
+
+@pytest.mark.own_sanitizer
+def test_a_forward_that_ends_on_the_callers_stream_after_a_norm_trains(emulated):
+    # The plan: b on stream 1, all the rest (its last node a layer norm, an
+    # op of three outputs) on the caller's, with nothing to join. AOTAutograd
+    # wraps each backward sync in control_deps on the nodes of its stream
+    # since that stream's last sync, and cannot save the norm's tuple for
+    # the backward: without a sync closing the forward, it failed to
+    # partition the graph (swin_v2_t's last norm).
+    eager = EndsInNorm()
+    ours = copy.deepcopy(eager)
+    x = torch.randn(64, 512)
+    backend = torch_stage.backend(num_streams=4, executor="aot_eager")
+    compiled = torch.compile(ours, backend=backend, fullgraph=True)
+    with torch_stage.sanitize_streams() as sanitizer:
+        compiled(x).sum().backward()
+    eager(x).sum().backward()
+    plan = backend.plans[0]
+    assert plan.join == [] and plan.streams_used == [0, 1], str(plan)
+    assert sanitizer.races == []
+    for (key, p), q in zip(eager.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=key)

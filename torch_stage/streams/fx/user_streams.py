@@ -86,6 +86,12 @@ def _device(device_type: str, device_index: int) -> torch.device:
     )
 
 
+# The three functions below run before every call of a compiled graph (the
+# side table's constructors): Dynamo must not trace them, or each would
+# become a graph of its own, recompiled for every stream and event number.
+
+
+@torch.compiler.disable
 def side_stream(device_type: str, device_index: int, k: int) -> torch.Stream:
     """Side stream ``k`` (>= 1) of torch_stage's pool on the device, as a
     ``torch.Stream``. On a device without streams, a stand-in object per
@@ -107,6 +113,7 @@ def side_stream(device_type: str, device_index: int, k: int) -> torch.Stream:
     return found
 
 
+@torch.compiler.disable
 def current_stream(device_type: str, device_index: int) -> torch.Stream:
     """The calling thread's current stream on the device (a fixed stand-in
     on a device without streams)."""
@@ -121,6 +128,7 @@ def current_stream(device_type: str, device_index: int) -> torch.Stream:
     return found
 
 
+@torch.compiler.disable
 def pooled_event(device_type: str, device_index: int, slot: Any) -> torch.Event:
     """This thread's event ``slot`` for the device, made once."""
     pool = getattr(_events, "pool", None)
@@ -278,14 +286,15 @@ class UserStreamWriter(PlanWriter):
             memory pool keeps every block until the replay ends.
 
     Event slots: the plan's events are ``0..E-1``, the fork's ``E``, the
-    join's ``E+1..``; :attr:`next_slot` is the first one left.
+    join's ``E+1..`` (or, with nothing to join, the end's ``E+1``);
+    :attr:`next_slot` is the first one left.
     """
 
     def __init__(self, graph, analysis, raw, stream_plan, table: SideTable, keep_memory: bool):
         super().__init__(graph, analysis, raw, stream_plan)
         self.table = table
         self.keep_memory = keep_memory
-        self.next_slot = self.num_events + 1 + len(self.join_streams)
+        self.next_slot = self.num_events + 1 + max(1, len(self.join_streams))
 
     def _op(self, name: str, args: tuple, s: int) -> torch.fx.Node:
         n = self.graph.call_function(_streams_op(name), args)
@@ -299,6 +308,11 @@ class UserStreamWriter(PlanWriter):
         self._op("record_event", (e, self.table.stream(0)), 0)
         for s in self.fork_streams:
             self._op("wait_event", (e, self.table.stream(s)), s)
+
+    def host_stream(self) -> int:
+        # Nothing switches streams between nodes here: a node without an
+        # annotation of its own (a view of constants) runs on the caller's.
+        return 0
 
     def needs_sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> bool:
         # Streams switch by annotation, not by a call.
@@ -339,6 +353,15 @@ class UserStreamWriter(PlanWriter):
             e = self.table.event(self.num_events + 1 + j)
             self._op("record_event", (e, self.table.stream(s)), s)
             self._op("wait_event", (e, self.table.stream(0)), 0)
+        if not self.join_streams:
+            # A sync on the caller's stream closes the forward there, as the
+            # join's wait does: AOTAutograd wraps each backward sync in
+            # control_deps on every node of its stream since that stream's
+            # last sync, forward nodes included, and cannot save a forward
+            # node of several outputs (native_layer_norm) for the backward:
+            # partitioning fails (torch 2.13, 2.14; swin_v2_t's last norm).
+            e = self.table.event(self.num_events + 1)
+            self._op("record_event", (e, self.table.stream(0)), 0)
 
     def run(self) -> None:
         super().run()

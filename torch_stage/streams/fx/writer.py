@@ -84,6 +84,11 @@ class PlanWriter(ABC):
     @abstractmethod
     def sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> None: ...
 
+    def host_stream(self) -> int:
+        """The stream a node that launches no work of its own (a view, size
+        arithmetic) runs on, for the constants it reads: the current one."""
+        return self.current
+
     def needs_sync(self, s: int, waits: List[int], keeps: List[torch.fx.Node]) -> bool:
         """Whether a node on ``s`` needs :meth:`sync` before it."""
         return s != self.current or bool(waits) or bool(keeps)
@@ -115,7 +120,7 @@ class PlanWriter(ABC):
             elif kind == OUTPUT:
                 self._output(n)
             elif kind != CONST:
-                self._constants_for(n, self.current)
+                self._constants_for(n, self.host_stream())
         constants: Dict[str, List[int]] = {}
         for (c, s), _ in sorted(self.copies.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
             constants.setdefault(c.name, []).append(s)

@@ -7,6 +7,8 @@
 #                torchvision's GoogLeNet (drawn in the zoo venv)
 #   make test    set up, build, run the C++ (ctest) and Python (pytest) tests
 #   make build   build the extension and the C++ tests (quick when up to date)
+#   make docs    the reference docs (Sphinx: the guide in docs/, a page per
+#                public name from its docstring) into build/docs
 #   make lint    clang-format check and ruff
 #   make format  apply clang-format and ruff format
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
@@ -55,7 +57,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest tools build cpp test demo report pictures lint format tsan asan bench bench-tf torture zoo gpu-check clean distclean
+.PHONY: all setup venv gtest tools build cpp test demo report pictures docs lint format tsan asan bench bench-tf torture zoo gpu-check clean distclean
 
 all: test
 
@@ -124,6 +126,11 @@ test: build tools
 
 demo: build
 	$(PY) examples/demo.py --out $(BUILD)/demo
+
+# Warnings are errors, as in tests/test_docs.py.
+docs: build
+	$(PY) -m sphinx -W --keep-going -b html docs $(BUILD)/docs
+	@echo "the docs: $(BUILD)/docs/index.html"
 
 # Every scenario in a process of its own under a hard timeout; one line each
 # and a closing "N passed, M failed". TORTURE_ARGS: e.g. -k signals --json f.
@@ -231,7 +238,7 @@ pictures: tools $(ZOO_EXT_STAMP)
 	  --no-bench --plan-max-nodes 31 --timeline-items 8
 	cp $(BUILD)/pictures/timeline.png $(BUILD)/pictures/plan.png docs/
 
-PY_FILES := setup.py torch_stage tests benchmarks examples
+PY_FILES := setup.py docs/conf.py torch_stage tests benchmarks examples
 
 lint: venv
 	@command -v clang-format > /dev/null || { echo "clang-format is missing: installing Debian's clang-format"; \
@@ -266,7 +273,7 @@ asan: gtest
 	$(call sanitize,asan,-fsanitize=address$(,)undefined -fno-sanitize-recover=undefined)
 
 clean:
-	rm -rf $(BUILD) torch_stage/lib torch_stage/*.so
+	rm -rf $(BUILD) dist docs/generated torch_stage/lib torch_stage/*.so
 
 distclean: clean
 	rm -rf $(VENV) $(ZOO_VENV) $(TF_VENV) *.egg-info

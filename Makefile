@@ -9,6 +9,10 @@
 #   make build   build the extension and the C++ tests (quick when up to date)
 #   make docs    the reference docs (Sphinx: the guide in docs/, a page per
 #                public name from its docstring) into build/docs
+#   make wheel   a wheel built against the venv's torch, into dist/
+#   make wheel-check  that wheel installed into a fresh venv with the same
+#                torch: import, the backend found through its entry point,
+#                python -m torch_stage.info, a staged loop (CI runs it)
 #   make lint    clang-format check and ruff
 #   make format  apply clang-format and ruff format
 #   make tsan    torch-free C++ units and tests under ThreadSanitizer
@@ -57,7 +61,7 @@ CMAKE_FILES := CMakeLists.txt $(shell find tests/cpp benchmarks/cpp examples -na
 PYTEST_ARGS ?=
 , := ,
 
-.PHONY: all setup venv gtest tools build cpp test demo report pictures docs lint format tsan asan bench bench-tf torture zoo gpu-check clean distclean
+.PHONY: all setup venv gtest tools build cpp test demo report pictures docs wheel wheel-check lint format tsan asan bench bench-tf torture zoo gpu-check clean distclean
 
 all: test
 
@@ -131,6 +135,22 @@ demo: build
 docs: build
 	$(PY) -m sphinx -W --keep-going -b html docs $(BUILD)/docs
 	@echo "the docs: $(BUILD)/docs/index.html"
+
+# The wheel is built against the venv's torch (TORCH_SPEC): its libraries
+# link that torch's, so it installs beside that torch release.
+WHEEL_VENV ?= $(BUILD)/wheel-venv
+wheel: venv gtest
+	rm -rf dist
+	TORCH_STAGE_BUILD_TEMP=$(abspath $(BUILD))/wheel-temp \
+	  $(PIP) wheel -q --disable-pip-version-check --no-build-isolation --no-deps . -w dist
+	@ls dist/*.whl
+
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps dist/*.whl
+	cd $(WHEEL_VENV) && bin/python $(abspath tests/wheel_check.py)
 
 # Every scenario in a process of its own under a hard timeout; one line each
 # and a closing "N passed, M failed". TORTURE_ARGS: e.g. -k signals --json f.

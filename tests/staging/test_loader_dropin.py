@@ -1092,3 +1092,63 @@ def test_a_generator_that_is_no_generator_raises_the_plain_type_error(cls_stagin
     bad = loader(cls, list(range(4)), staging, batch_size=2, shuffle=True, generator=3)
     with pytest.raises(TypeError, match="generator"):
         list(bad)
+
+
+_PATCHES = """
+import sys, warnings
+import torch
+from torch.jit import _builtins
+
+original = (warnings.warn, warnings.catch_warnings.__enter__, warnings.catch_warnings.__exit__)
+
+
+def warn_builtins():
+    # What TorchScript compiles as aten::warn (torch_stage's own functions
+    # registered as its own ops are no one else's business).
+    return {k for k, v in _builtins._get_builtin_table().items() if v == "aten::warn"}
+
+
+builtins = warn_builtins()
+
+
+def untouched(when):
+    now = (warnings.warn, warnings.catch_warnings.__enter__, warnings.catch_warnings.__exit__)
+    assert now == original, (when, now, original)
+    assert warn_builtins() == builtins, when
+
+
+import torch_stage
+
+untouched("after import")
+data = torch.utils.data.TensorDataset(torch.arange(64.0))
+loader = torch_stage.DataLoader(data, batch_size=4, num_threads=2, capacity=2)
+seen = []
+for (x,) in loader:
+    seen.append(x)
+    warnings.warn("from the loop")  # the loop's own warnings, as ever
+untouched("after an epoch")
+assert len(seen) == 16
+for i, (x,) in enumerate(loader):
+    if i == 3:
+        break
+it = None
+del x
+import gc
+
+gc.collect()
+untouched("after a loop left with break")
+it = iter(loader)
+next(it)
+it.close() if hasattr(it, "close") else None
+del it
+gc.collect()
+untouched("after an iterator closed")
+print("ok")
+"""
+
+
+def test_nothing_of_warnings_or_torchscript_is_replaced_once_no_iterator_produces(run_python):
+    # A library that wraps warnings.warn for the whole process surprises
+    # every other library wrapping it too: the loader's recorder is in
+    # place only while a staging thread may make a batch.
+    assert run_python(_PATCHES).stdout.strip().endswith("ok")

@@ -131,8 +131,13 @@ class _Skipping:
 # module's process-wide state, so a staging thread entering and leaving it
 # would race with the consumer's own catch_warnings() (and could leave the
 # consumer's recording context installed forever). Instead warnings.warn is
-# wrapped once, and records only on a thread that is producing a batch; on
-# every other thread it is the plain warnings.warn. Warnings raised from C
+# wrapped while staging threads may make batches (from the first live run of
+# any loader to the end of the last: _Recorder), and records only on a thread
+# that is producing a batch; on every other thread it is the plain
+# warnings.warn. When no run is live, warnings.warn, catch_warnings and
+# TorchScript's table of builtins are what they were: a library that
+# replaces the standard library's functions for the whole process, for good,
+# surprises every other code that wraps them. Warnings raised from C
 # (PyErr_WarnEx) or through warnings.warn_explicit are not recorded and
 # still appear on the staging thread.
 #
@@ -148,25 +153,86 @@ class _Skipping:
 
 _recording = threading.local()
 _install_lock = threading.Lock()
+# Guarded by _install_lock: live runs; whether other code wrapped our
+# wrapper, so that it stays (in their chain) for good; the functions the
+# recorder replaced (kept after it is taken out: a wrapper of ours another
+# library holds still calls them).
+_live_recorders = 0
+_wrapped_by_others = False
 _plain_warn: Optional[Callable] = None
 _plain_enter: Optional[Callable] = None
 _plain_exit: Optional[Callable] = None
 
 
-def _install_warning_recorder() -> None:
-    global _plain_warn, _plain_enter, _plain_exit
+def _acquire_recorder() -> None:
+    """A run begins: the recorder is in place until every run has ended."""
+    global _live_recorders, _plain_warn, _plain_enter, _plain_exit
     with _install_lock:
-        if _plain_warn is None:
-            _plain_enter = warnings.catch_warnings.__enter__
-            _plain_exit = warnings.catch_warnings.__exit__
-            warnings.catch_warnings.__enter__ = _enter_catch_warnings
-            warnings.catch_warnings.__exit__ = _exit_catch_warnings
-            _plain_warn = warnings.warn
-            # TorchScript compiles a call to warnings.warn (F.embedding_bag
-            # has one) as aten::warn by the function's identity: the wrapper
-            # must map there too, or scripting tries to compile it.
-            torch.jit._builtins._register_builtin(_warn, "aten::warn")
-            warnings.warn = _warn
+        _live_recorders += 1
+        if _live_recorders > 1 or _wrapped_by_others:
+            return
+        _plain_enter = warnings.catch_warnings.__enter__
+        _plain_exit = warnings.catch_warnings.__exit__
+        _plain_warn = warnings.warn
+        warnings.catch_warnings.__enter__ = _enter_catch_warnings
+        warnings.catch_warnings.__exit__ = _exit_catch_warnings
+        # TorchScript compiles a call to warnings.warn (F.embedding_bag
+        # has one) as aten::warn by the function's identity: the wrapper
+        # must map there too, or scripting tries to compile it.
+        torch.jit._builtins._register_builtin(_warn, "aten::warn")
+        warnings.warn = _warn
+
+
+def _release_recorder() -> None:
+    """A run ended: the last puts back what the first replaced. (Where some
+    other code wrapped one of them since, its wrapper stays, and so does
+    ours inside it, which passes every warning on when no batch is made.)"""
+    global _live_recorders, _wrapped_by_others
+    with _install_lock:
+        _live_recorders -= 1
+        if _live_recorders > 0 or _wrapped_by_others:
+            return
+        cls = warnings.catch_warnings
+        for now, ours, plain, put in (
+            (warnings.warn, _warn, _plain_warn, lambda f: setattr(warnings, "warn", f)),
+            (
+                cls.__enter__,
+                _enter_catch_warnings,
+                _plain_enter,
+                lambda f: setattr(cls, "__enter__", f),
+            ),
+            (
+                cls.__exit__,
+                _exit_catch_warnings,
+                _plain_exit,
+                lambda f: setattr(cls, "__exit__", f),
+            ),
+        ):
+            if now is ours:
+                put(plain)
+            elif now is not plain:
+                # Another library wrapped ours: it stays in their chain, for
+                # good (installing ours again would call ours from inside
+                # itself).
+                _wrapped_by_others = True
+        if not _wrapped_by_others:
+            torch.jit._builtins._get_builtin_table().pop(id(_warn), None)
+
+
+class _Recorder:
+    """A run's hold on the recorder: released once, by ``release()`` or
+    when the run is collected."""
+
+    __slots__ = ("held", "__weakref__")
+
+    def __init__(self) -> None:
+        self.held = True
+        _acquire_recorder()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            _release_recorder()
 
 
 def _enter_catch_warnings(self):
@@ -475,6 +541,11 @@ class _Run:
         self.epoch = epoch
         self.demand = threading.Semaphore(0)
         self.stopped = False
+        # The warning recorder is in place from now until the stage has
+        # stopped making batches (_LoaderIter._close_stage), or until the
+        # run is collected.
+        self.recorder = _Recorder()
+        weakref.finalize(self, self.recorder.release)
         _live_runs.add(self)
         self.handled: list = []  # indices whose transform raised
         # Producer thread (threading.get_ident(): the stage's C++ threads get
@@ -1023,7 +1094,6 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
                     stacklevel=2,
                 )
             self.close()
-        _install_warning_recorder()
         resume, self._resume = self._resume, None
         user_rng = None
         if resume is not None:
@@ -1303,6 +1373,9 @@ class _LoaderIter:
             stage.close()
             self._last_stats = self._loader._last_stats = self._stats_of(stage, run)
             self._loader._tuning_memory = stage._tuning_memory()
+        if run is not None:
+            # No staging thread makes a batch any more.
+            run.recorder.release()
 
     def _finish(self) -> None:
         if self._loader._epoch is self._state:

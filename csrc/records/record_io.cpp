@@ -241,6 +241,7 @@ class ZlibInput : public InputStream {
       const int rc = inflate(&z_, Z_NO_FLUSH);
       consumed_ += before_in - z_.avail_in;
       produced += want - z_.avail_out;
+      inflated_any_ = inflated_any_ || want > z_.avail_out;
       member_started_ = true;
       if (rc == Z_STREAM_END) {
         member_started_ = false;
@@ -271,7 +272,11 @@ class ZlibInput : public InputStream {
                 " stream in '" + path_ + "' near compressed byte " +
                 std::to_string(consumed_) + ": " +
                 (z_.msg != nullptr ? z_.msg
-                                   : "inflate error " + std::to_string(rc)),
+                                   : "inflate error " + std::to_string(rc)) +
+                (inflated_any_
+                     ? ""
+                     : " (nothing of the file inflates: a plain "
+                       "TFRecord file is read with compression=None)"),
             path_,
             static_cast<int64_t>(consumed_));
       }
@@ -287,6 +292,9 @@ class ZlibInput : public InputStream {
   bool done_ = false;
   // True while inside a (gzip) member whose end marker is not yet seen.
   bool member_started_ = false;
+  // Whether any byte inflated: an error before the first one suggests the
+  // file is not compressed at all.
+  bool inflated_any_ = false;
   uint64_t consumed_ = 0;
   std::exception_ptr deferred_;
 };
@@ -386,8 +394,26 @@ std::vector<std::string> shard_files(
 
 // ---------------------------------------------------------------- reading
 
+namespace {
+
+// A compressed file read as a plain one fails its first header; its first
+// bytes tell which compression was meant (TensorFlow's reader says nothing).
+std::string compression_hint(const uint8_t* bytes, size_t n) {
+  if (n >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b) {
+    return "; the file starts like a GZIP stream: read it with "
+           "compression=\"GZIP\"";
+  }
+  if (n >= 2 && bytes[0] == 0x78 && ((bytes[0] << 8) | bytes[1]) % 31 == 0) {
+    return "; the file starts like a ZLIB stream: read it with "
+           "compression=\"ZLIB\"";
+  }
+  return "";
+}
+
+} // namespace
+
 RecordReader::RecordReader(std::string path, Compression compression)
-    : path_(std::move(path)) {
+    : path_(std::move(path)), compressed_(compression != Compression::kNone) {
   if (compression == Compression::kNone) {
     in_ = std::make_unique<FileInput>(path_);
   } else {
@@ -487,15 +513,20 @@ bool RecordReader::next(RecordSpan* out) {
     if (got == 0) {
       return false;
     }
+    const uint8_t* header = block_->bytes.get() + begin_;
+    // Only on a failure: this runs once per record.
+    const auto hint = [&] {
+      return start == 0 && !compressed_ ? compression_hint(header, got)
+                                        : std::string();
+    };
     if (got < kHeader) {
       fail(
           RecordErrorKind::kTruncated,
           start,
           "expected a 12-byte header (8-byte length + 4-byte length CRC), "
           "the file ends after " +
-              std::to_string(got) + " bytes");
+              std::to_string(got) + " bytes" + hint());
     }
-    const uint8_t* header = block_->bytes.get() + begin_;
     const uint64_t length = load_le64(header);
     const uint32_t stored = load_le32(header + 8);
     const uint32_t expected = mask_crc(crc32c(header, 8));
@@ -504,7 +535,7 @@ bool RecordReader::next(RecordSpan* out) {
           RecordErrorKind::kCorrupt,
           start,
           "length CRC mismatch: expected masked crc32c " + hex32(expected) +
-              " of the length field, found " + hex32(stored));
+              " of the length field, found " + hex32(stored) + hint());
     }
     // Bounded so that the sum below cannot wrap; such a record cannot be
     // in a stream anyway, and fill() finds where the stream ends.

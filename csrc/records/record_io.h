@@ -133,6 +133,7 @@ class RecordReader {
   size_t begin_ = 0;
   size_t end_ = 0;
   bool eof_ = false;
+  bool compressed_ = false;
   uint64_t offset_ = 0;
   int64_t index_ = 0;
   bool failed_ = false;

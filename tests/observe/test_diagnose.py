@@ -10,12 +10,22 @@ from torch_stage.observe.diagnose import diagnose
 STEPS = 25
 
 
-def timed_run(source_ms, body_ms, num_threads=1, capacity=4):
+def timed_run(source_ms, body_ms, num_threads=1, capacity=4, transform_ms=0):
     def make():
         time.sleep(source_ms / 1000)
         return 1
 
-    stage = torch_stage.staged(make, capacity=capacity, num_threads=num_threads, name="diag")
+    def transform(item):
+        time.sleep(transform_ms / 1000)
+        return item
+
+    stage = torch_stage.staged(
+        make,
+        capacity=capacity,
+        num_threads=num_threads,
+        transform=transform if transform_ms else None,
+        name="diag",
+    )
     with stage:
         it = iter(stage)
         next(it)  # the clock starts after the first item, as the demo's steady state
@@ -28,14 +38,27 @@ def timed_run(source_ms, body_ms, num_threads=1, capacity=4):
     return stats, seconds
 
 
-def test_a_slow_source_is_input_bound_and_asks_for_threads():
-    stats, seconds = timed_run(source_ms=12, body_ms=2)
+def test_a_slow_transform_is_input_bound_and_asks_for_threads():
+    stats, seconds = timed_run(source_ms=0, transform_ms=12, body_ms=2)
     d = diagnose(stats, steps=STEPS, seconds=seconds, num_threads=1)
     assert d.bound == "input" == stats["bound"]
-    assert d.data_ms >= 12 and d.wait_ms > 5
+    assert d.data_ms >= 12 and d.wait_ms > 5 and d.source_ms < 2
     text = " ".join(d.sentences())
     assert "input-bound" in text
     assert "num_threads=" in text and "capacity does not help" in text
+
+
+def test_a_slow_source_is_not_helped_by_threads_and_the_advice_says_so():
+    # Four producers, one source: they take turns at it, so the step stays
+    # the source's, whatever num_threads says.
+    stats, seconds = timed_run(source_ms=12, body_ms=2, num_threads=4)
+    d = diagnose(stats, steps=STEPS, seconds=seconds, num_threads=4)
+    assert d.bound == "input" == stats["bound"]
+    assert d.source_ms >= 12 and d.step_ms >= 11
+    assert d.independent_ms >= d.source_ms  # the bound knows the source is serial
+    text = " ".join(d.sentences())
+    assert "pulled by one producer at a time" in text and "transform=" in text
+    assert "num_threads=5" not in text
 
 
 def test_a_slow_loop_body_is_compute_bound_and_leaves_the_input_alone():

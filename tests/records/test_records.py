@@ -146,6 +146,24 @@ def test_bad_compressed_stream(tmp_path):
         list(read_records(str(plain), "ZLIB"))
 
 
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_a_compressed_file_read_as_plain_says_which_compression_to_pass(tmp_path, compression):
+    path = write(tmp_path / "z", [b"hello"] * 3, compression)
+    with pytest.raises(CorruptRecordError, match=f'compression="{compression}"'):
+        list(read_records(str(path)))
+    # A plain file whose first CRC is wrong gets no such hint.
+    plain = write(tmp_path / "p", [b"hello"])
+    raw = bytearray(plain.read_bytes())
+    raw[9] ^= 1
+    plain.write_bytes(bytes(raw))
+    with pytest.raises(CorruptRecordError) as info:
+        list(read_records(str(plain)))
+    assert "compression=" not in str(info.value)
+    # And the other way round: a plain file read as a compressed one.
+    with pytest.raises(CorruptRecordError, match="read with compression=None"):
+        list(read_records(str(write(tmp_path / "q", [b"hello"])), compression))
+
+
 def test_writer_api(tmp_path):
     path = tmp_path / "w"
     w = RecordWriter(path)

@@ -4,9 +4,10 @@ whether the loop is input-bound or compute-bound, how close it comes to the
 best overlap, and what to change.
 
 The model: making one item costs ``D`` (source + transform + device copy on
-one producer thread), the loop body costs ``C`` per step. One after the other
-a step costs ``D + C``; overlapped at best ``max(D / threads, C)``, on cores
-that do not slow each other. Where they do (two hyperthreads of one core, a
+one producer thread), of which ``S`` is the source's, the loop body costs
+``C`` per step. One after the other a step costs ``D + C``; overlapped at
+best ``max(S, D / threads, C)`` on cores that do not slow each other (the
+source is pulled by one producer at a time, so ``S`` does not divide). Where they do (two hyperthreads of one core, a
 shared memory bus), the machine's own bound is measured: the same data and
 compute work run side by side on free threads with nothing handed over
 (``corun_seconds``), which no pipeline can beat.
@@ -39,6 +40,7 @@ class Diagnosis:
     plain_step_ms: Optional[float] = None  # measured without torch_stage, if known
     corun_step_ms: Optional[float] = None  # data and compute side by side, if measured
     advice: List[str] = field(default_factory=list)
+    source_ms: float = 0.0  # S: the source's part of D (serial: one producer at a time)
 
     @property
     def sequential_ms(self) -> float:
@@ -49,14 +51,14 @@ class Diagnosis:
 
     @property
     def independent_ms(self) -> float:
-        """max(D / threads, C): the best a step can cost with overlap on
+        """max(S, D / threads, C): the best a step can cost with overlap on
         cores that do not slow each other."""
-        return max(self.data_ms / max(self.num_threads, 1), self.compute_ms)
+        return max(self.source_ms, self.data_ms / max(self.num_threads, 1), self.compute_ms)
 
     @property
     def ideal_ms(self) -> float:
         """The best a step can cost with overlap on this machine: the
-        measured side-by-side step when known (never below max(D/threads, C),
+        measured side-by-side step when known (never below max(S, D/threads, C),
         and never above the step without overlap, which is always possible)."""
         if self.corun_step_ms is not None:
             return min(max(self.independent_ms, self.corun_step_ms), self.sequential_ms)
@@ -81,7 +83,7 @@ class Diagnosis:
                 else "data + compute (no overlap)",
                 self.sequential_ms,
             ),
-            (f"on independent cores: max(D/{self.num_threads}, C)", self.independent_ms),
+            (f"on independent cores: max(S, D/{self.num_threads}, C)", self.independent_ms),
         ]
         if self.corun_step_ms is not None:
             rows.append(("both side by side, nothing handed over", self.corun_step_ms))
@@ -130,7 +132,7 @@ class Diagnosis:
     def _bound_text(self) -> str:
         if self.corun_step_ms is not None and self.corun_step_ms > self.independent_ms:
             return "D + C over the side-by-side step measured on this machine"
-        return "D + C over max(D/threads, C)"
+        return "D + C over max(S, D/threads, C)"
 
     def __str__(self) -> str:
         return self.table() + "\n\n" + "\n".join(self.sentences())
@@ -194,6 +196,7 @@ def diagnose(
         gil_wait_ms=stats.get("gil_wait_s", 0.0) * 1000 / produced,
         plain_step_ms=None if plain_seconds is None else plain_seconds * 1000 / steps,
         corun_step_ms=None if corun_seconds is None else corun_seconds * 1000 / steps,
+        source_ms=stats.get("source_s", 0.0) * 1000 / produced,
     )
     d.advice = _advice(d)
     return d
@@ -213,7 +216,16 @@ def _advice(d: Diagnosis) -> List[str]:
     per_thread = d.data_ms / d.num_threads
     if d.bound == "input":
         need = max(d.num_threads + 1, math.ceil(d.data_ms / max(d.compute_ms, 1e-6)))
-        if d.gil_wait_ms > 0.25 * d.data_ms:
+        if d.source_ms >= 0.9 * max(d.compute_ms, d.data_ms / d.num_threads):
+            out.append(
+                f"What to change: the source takes {d.source_ms:.2f} ms of each item's "
+                f"{d.data_ms:.2f} ms and is pulled by one producer at a time, so more "
+                f"threads will not help (the loop body takes {d.compute_ms:.2f} ms); make "
+                "the source cheap and move the per-item work into transform=, which the "
+                "producers run side by side, or use a DataLoader with worker processes as "
+                "the source."
+            )
+        elif d.gil_wait_ms > 0.25 * d.data_ms:
             out.append(
                 f"What to change: the producers spend {d.gil_wait_ms:.2f} ms of each item's "
                 f"{d.data_ms:.2f} ms waiting for the GIL, so more threads will not help; make "

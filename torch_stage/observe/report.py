@@ -5,7 +5,7 @@
 
 * the verdict and advice of :mod:`torch_stage.observe.diagnose` for the staged run;
 * the overlap bar: data + compute one after the other, the best possible
-  max(D / threads, C), and the measured staged step;
+  max(S, D / threads, C), and the measured staged step;
 * a per-thread timeline of a window of the staged run, from its trace
   (:func:`torch_stage.trace`): the loop's compute and waits, each
   producer's pull, transform and hand-over;
@@ -215,8 +215,8 @@ def draw_overlap(d: _diagnose.Diagnosis, path: str):
             ],
         ),
         (
-            f"on independent cores: max(D/{d.num_threads}, C)",
-            [(d.independent_ms, "#999999", "max(D/threads, C)")],
+            f"on independent cores: max(S, D/{d.num_threads}, C)",
+            [(d.independent_ms, "#999999", "max(S, D/threads, C)")],
         ),
     ]
     if d.corun_step_ms is not None:

@@ -243,5 +243,5 @@ def test_the_plan_reads_as_a_program():
         "  [0] sin",
         "  [1] cos  wait e0 (exp), record e1",
         "  [0] add  wait e1 (cos)",
-        "  join: stream 0 waits on streams none (stream 0 already waited on them)",
+        "  join: none needed (stream 0 already waited on every side stream)",
     ]

@@ -102,8 +102,10 @@ class StreamPlan:
         for name, streams in self.constants.items():
             lines.append(f"  constant {name} created on streams {streams}")
         if self.fork:
-            joined = self.join if self.join else "none (stream 0 already waited on them)"
-            lines.append(f"  join: stream 0 waits on streams {joined}")
+            if self.join:
+                lines.append(f"  join: stream 0 waits on streams {self.join}")
+            else:
+                lines.append("  join: none needed (stream 0 already waited on every side stream)")
         return "\n".join(lines)
 
 

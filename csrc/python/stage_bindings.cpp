@@ -713,14 +713,16 @@ void init_stage(py::module_& m) {
       .def("next", &PyStage::next, py::arg("timeout_ms") = -1)
       .def(
           "close",
-          [](PyStage& s, int64_t join_timeout_ms) {
+          [](PyStage& s, int64_t join_timeout_ms, bool warn_if_left) {
             if (join_timeout_ms < 0) {
               s.stage().close();
             } else {
-              s.stage().close(std::chrono::milliseconds(join_timeout_ms));
+              s.stage().close(
+                  std::chrono::milliseconds(join_timeout_ms), warn_if_left);
             }
           },
           py::arg("join_timeout_ms") = -1,
+          py::arg("warn_if_left") = true,
           py::call_guard<ReleasedGil>())
       .def("stats", &PyStage::stats)
       .def(

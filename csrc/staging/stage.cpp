@@ -904,7 +904,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         "); use fewer threads");
   }
 
-  void close(std::chrono::milliseconds join_timeout) {
+  void close(std::chrono::milliseconds join_timeout, bool warn_if_left) {
     std::vector<std::thread> to_join;
     {
       std::lock_guard<std::mutex> lock(life_mu);
@@ -948,7 +948,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         to_join[i].detach();
       }
     }
-    if (!stuck.empty()) {
+    if (!stuck.empty() && warn_if_left) {
       warning(c10::str(
           "stage '",
           options.name,
@@ -1150,11 +1150,11 @@ TakeStatus Stage::take_for(
 }
 
 void Stage::close() {
-  state_->close(state_->options.join_timeout);
+  state_->close(state_->options.join_timeout, true);
 }
 
-void Stage::close(std::chrono::milliseconds join_timeout) {
-  state_->close(join_timeout);
+void Stage::close(std::chrono::milliseconds join_timeout, bool warn_if_left) {
+  state_->close(join_timeout, warn_if_left);
 }
 
 bool Stage::started() const {

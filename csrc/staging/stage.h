@@ -326,9 +326,11 @@ class Stage {
 
   // Stops and joins the producers; idempotent; safe from any thread. A
   // producer still inside StageWork after `join_timeout` (default: the
-  // stage's option) is left to finish on its own.
+  // stage's option) is left to finish on its own, with a warning unless
+  // `warn_if_left` is false (a caller that leaves them on purpose: a
+  // training loop's `break` that must not wait for a slow read).
   void close();
-  void close(std::chrono::milliseconds join_timeout);
+  void close(std::chrono::milliseconds join_timeout, bool warn_if_left = true);
 
   bool started() const;
   bool closed() const;

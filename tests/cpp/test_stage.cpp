@@ -245,6 +245,28 @@ TEST(Stage, TimeoutDescribesTheProducers) {
   EXPECT_FALSE(stage->quiescent());
 }
 
+TEST(Stage, AProducerLeftOnPurposeIsLeftQuietlyAndEndsAfterItsCall) {
+  auto work = std::make_shared<CountingWork>(1000);
+  work->process_sleep_us = 300000; // a slow read the consumer will not wait for
+  auto stage = std::make_unique<Stage>(options(1, 1), work);
+  std::string warning;
+  stage->set_warning_handler([&](const std::string& w) { warning = w; });
+  StageItem item;
+  ASSERT_EQ(stage->take(item), TakeStatus::kItem);
+  // The producer went on to the next item's 300 ms process(): close()
+  // returns while it is still inside.
+  std::this_thread::sleep_for(50ms); // for it to get there
+  stage->close(0ms, /*warn_if_left=*/false);
+  EXPECT_EQ(warning, "");
+  EXPECT_FALSE(stage->quiescent());
+  const int64_t pulls = work->pulls.load();
+  for (int i = 0; i < 300 && !stage->quiescent(); ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(stage->quiescent());
+  EXPECT_EQ(work->pulls.load(), pulls); // nothing pulled after the close
+}
+
 TEST(Stage, ATimedOutConsumerIsToldWhenOthersWereServed) {
   auto work = std::make_shared<CountingWork>(10);
   Stage stage(options(2, 1), work);

@@ -67,6 +67,55 @@ def break_out():
     return figures
 
 
+class _SlowFrom(torch.utils.data.Dataset):
+    """Items from ``slow_at`` on wait for ``release``: a read that hangs."""
+
+    def __init__(self, slow_at: int):
+        self.slow_at = slow_at
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        self.calls += 1
+        if i >= self.slow_at:
+            self.entered.set()
+            self.release.wait(60)
+        return torch.full((8,), float(i))
+
+
+@scenario("shutdown.break_mid_item", timeout_s=120)
+def break_mid_item():
+    """`break` while a staging thread is inside a slow __getitem__ returns at
+    once (the plain loader without workers makes nothing ahead); the thread
+    ends after its item, making no other, and the next epoch starts after it."""
+    data = _SlowFrom(slow_at=4)
+    loader = torch_stage.DataLoader(data, batch_size=1, num_threads=1, capacity=8)
+    for i, _ in enumerate(loader):
+        if i == 0:
+            check(data.entered.wait(30), "the staging thread never reached the slow item")
+            _running("DataLoader", 0)
+        if i == 1:
+            break
+    check(not data.release.is_set(), "unreachable")
+    calls = data.calls
+    start = time.monotonic()
+    data.release.set()
+    took = _gone("the staging thread after its item")
+    check(data.calls == calls, f"{data.calls - calls} item(s) made after the loop left")
+    data.slow_at = len(data)
+    first = next(iter(loader))
+    check(first[0, 0].item() == 0.0, f"the next epoch began with {first}")
+    return {
+        "thread_gone_after_release_s": round(took, 3),
+        "calls": calls,
+        "release_to_gone_s": round(time.monotonic() - start, 3),
+    }
+
+
 @scenario("shutdown.dropped_iterator", timeout_s=120)
 def dropped_iterator():
     """A DataLoader iterator dropped mid-epoch while the loader lives; persistent

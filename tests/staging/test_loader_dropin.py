@@ -10,6 +10,7 @@ import gc
 import inspect
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -19,11 +20,14 @@ import psutil
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import devices
+from conftest import HANG_BOUND_S, devices
 from reliability.probes import stage_threads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_stage
+
+# warnings.warn as torch_stage found it.
+_plain_warn = warnings.warn
 
 PLAIN = tud.DataLoader
 CLASSES = [pytest.param(PLAIN, id="plain"), pytest.param(torch_stage.DataLoader, id="staged")]
@@ -1152,3 +1156,126 @@ def test_nothing_of_warnings_or_torchscript_is_replaced_once_no_iterator_produce
     # every other library wrapping it too: the loader's recorder is in
     # place only while a staging thread may make a batch.
     assert run_python(_PATCHES).stdout.strip().endswith("ok")
+
+
+class _Gated(tud.Dataset):
+    """Items from ``gate_at`` on wait for ``release`` (a slow read), and say
+    when they start; records how many calls are inside at once."""
+
+    def __init__(self, n=64, gate_at=4):
+        self.n, self.gate_at = n, gate_at
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.inside = self.most_inside = 0
+        self.calls = []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with self.lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            self.calls.append(i)
+        try:
+            if i >= self.gate_at:
+                self.entered.set()
+                assert self.release.wait(HANG_BOUND_S), "the test never released the item"
+                warnings.warn(f"item {i}, made after the loop left", stacklevel=1)
+            return torch.tensor([float(i)])
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
+def test_break_returns_while_a_staging_thread_is_still_inside_the_dataset():
+    # The plain loader without workers makes nothing ahead, so `break`
+    # returns at once; ours returns at once too, and the staging thread
+    # inside __getitem__ ends after its item, making no other.
+    data = _Gated()
+    transformed = []
+
+    def transform(batch):
+        transformed.append(batch)
+        return batch
+
+    loader = torch_stage.DataLoader(
+        data, batch_size=1, num_threads=1, capacity=8, transform=transform
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, _ in enumerate(loader):
+            if i == 0:
+                assert data.entered.wait(HANG_BOUND_S)
+            if i == 1:
+                break
+        # Back from the loop while the item is still being made.
+        assert not data.release.is_set() and data.inside == 1
+        calls, transforms = len(data.calls), len(transformed)
+        data.release.set()
+        deadline = time.monotonic() + HANG_BOUND_S
+        while stage_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert stage_threads() == 0
+    # Nothing after the item it was in, not even that item's transform.
+    assert (len(data.calls), len(transformed)) == (calls, transforms)
+    # That item's warnings belong to a batch nobody takes: not shown.
+    assert not [w for w in caught if "after the loop left" in str(w.message)]
+    assert warnings.warn is _plain_warn  # the recorder went with the thread
+
+
+def test_a_new_epoch_waits_for_the_item_a_left_thread_is_making():
+    # The dataset is called by one thread at a time, as in the plain loader:
+    # the next epoch's first item is made once the left one is done.
+    data = _Gated()
+    loader = torch_stage.DataLoader(data, batch_size=1, num_threads=1, capacity=8)
+    for i, _ in enumerate(loader):
+        if i == 0:
+            assert data.entered.wait(HANG_BOUND_S)
+        if i == 1:
+            break
+    data.gate_at = data.n  # the next epoch's items are quick
+    got = []
+    second = threading.Thread(target=lambda: got.append(next(iter(loader))))
+    second.start()
+    second.join(0.3)
+    data.release.set()
+    second.join(HANG_BOUND_S)
+    assert not second.is_alive() and got[0].item() == 0.0
+    assert data.most_inside == 1
+
+
+_DAEMON_AT_EXIT = """
+import sys, threading, time
+import torch, torch.utils.data as tud
+import torch_stage
+
+class Slow(tud.Dataset):
+    def __len__(self): return 10**6
+    def __getitem__(self, i):
+        time.sleep({item_s} if i > 20 else 0.005)
+        return torch.tensor([i])
+
+cls = torch_stage.DataLoader if sys.argv[1] == "ours" else tud.DataLoader
+started = threading.Event()
+def loop():
+    for i, b in enumerate(cls(Slow(), batch_size=1, num_workers={workers})):
+        if i == 20:
+            started.set()
+        time.sleep(0.005)
+threading.Thread(target=loop, daemon=True).start()
+assert started.wait(60)
+time.sleep(0.2)
+print("exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("cls", ["plain", "ours"])
+@pytest.mark.parametrize("item_s", [0.01, 3.0], ids=["quick_items", "item_outlasts_exit"])
+def test_a_daemon_thread_still_iterating_at_exit_prints_nothing(run_python, cls, item_s):
+    # As a daemon thread in any blocking call: the interpreter exits under
+    # it, with nothing said.
+    code = _DAEMON_AT_EXIT.format(item_s=item_s, workers=0)
+    proc = run_python(code.replace("sys.argv[1]", repr(cls)), check=False)
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "exits", "")

@@ -7,8 +7,9 @@ The model: making one item costs ``D`` (source + transform + device copy on
 one producer thread), of which ``S`` is the source's, the loop body costs
 ``C`` per step. One after the other a step costs ``D + C``; overlapped at
 best ``max(S, D / threads, C)`` on cores that do not slow each other (the
-source is pulled by one producer at a time, so ``S`` does not divide). Where they do (two hyperthreads of one core, a
-shared memory bus), the machine's own bound is measured: the same data and
+source is pulled by one producer at a time, so ``S`` does not divide).
+Where they do (two hyperthreads of one core, a shared memory bus), the
+machine's own bound is measured: the same data and
 compute work run side by side on free threads with nothing handed over
 (``corun_seconds``), which no pipeline can beat.
 """

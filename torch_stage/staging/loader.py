@@ -15,6 +15,7 @@ import inspect
 import random
 import sys
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional, TypeVar
@@ -541,9 +542,15 @@ class _Run:
         self.epoch = epoch
         self.demand = threading.Semaphore(0)
         self.stopped = False
+        # Staging threads inside the dataset or the transform (`busy`), and
+        # whether the consumer has left (`closing`): then none enters again,
+        # and the last one out releases the recorder. `idle` is notified then.
+        self.idle = threading.Condition(threading.Lock())
+        self.busy = 0
+        self.closing = False
         # The warning recorder is in place from now until the stage has
-        # stopped making batches (_LoaderIter._close_stage), or until the
-        # run is collected.
+        # stopped making batches (close(): at once, or when the last staging
+        # thread leaves user code), or until the run is collected.
         self.recorder = _Recorder()
         weakref.finalize(self, self.recorder.release)
         _live_runs.add(self)
@@ -567,6 +574,8 @@ class _Run:
                 self.demand.acquire()
                 if self.stopped:
                     return
+            if not self.enter():
+                return
             index = epoch.pulled
             records: list = []
             try:
@@ -577,6 +586,8 @@ class _Run:
                 # as the plain DataLoader raises any exception of a batch)
                 epoch.failed[index] = (exc, records, True)
                 return
+            finally:
+                self.leave()
             if records:
                 epoch.warnings[index] = records
             pulled_by[threading.get_ident()] = index
@@ -586,6 +597,40 @@ class _Run:
         # A source waiting for demand would hold close() for its join timeout.
         self.stopped = True
         self.demand.release()
+
+    def enter(self) -> bool:
+        """A staging thread is about to call user code (the dataset, the
+        transform); False once the consumer has left, and then it must not."""
+        with self.idle:
+            if self.closing:
+                return False
+            self.busy += 1
+            return True
+
+    def leave(self) -> None:
+        with self.idle:
+            self.busy -= 1
+            if self.busy or not self.closing:
+                return
+            self.idle.notify_all()
+        self.recorder.release()
+
+    def close(self) -> bool:
+        """The consumer has left: no staging thread enters user code again.
+        Returns whether one is still inside (it ends after its call, and the
+        recorder goes with the last one out)."""
+        self.stop()
+        with self.idle:
+            self.closing = True
+            if self.busy:
+                return True
+        self.recorder.release()
+        return False
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no staging thread of the closed run is in user code."""
+        with self.idle:
+            return self.idle.wait_for(lambda: self.busy == 0, timeout_s)
 
     def transform(self, transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``transform`` for the stage.
@@ -598,8 +643,13 @@ class _Run:
         """
         epoch, handled, pulled_by = self.epoch, self.handled, self.pulled_by
         draws = epoch.draws
+        run = self
 
         def staged_transform(batch):
+            if not run.enter():
+                # The consumer has left and the stage is closing: this batch
+                # is discarded with it, and user code may no longer run here.
+                return batch
             index = pulled_by[threading.get_ident()]
             records: list = []
             previous = _start_recording(records)
@@ -614,6 +664,7 @@ class _Run:
                 raise _pytree.Handled from None
             finally:
                 _end_recording(previous)
+                run.leave()
             if records:
                 epoch.warnings.setdefault(index, []).extend(records)
             return out
@@ -937,10 +988,39 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
 
     def __getstate__(self):
         # The weak reference to the newest iterator (which owns threads)
-        # does not travel: a copy has no iterator yet.
+        # does not travel: a copy has no iterator yet, nor threads left.
         state = dict(self.__dict__)
         state["_current"] = None
+        state.pop("_left", None)
         return state
+
+    def _left_runs(self) -> weakref.WeakSet:
+        """Runs whose staging thread was inside user code when the loop
+        left (_LoaderIter._close_stage); a run goes once nothing holds it."""
+        left = self.__dict__.get("_left")
+        if left is None:
+            left = self.__dict__["_left"] = weakref.WeakSet()
+        return left
+
+    def _wait_left(self) -> None:
+        """Wait, up to ``timeout_millis``, for staging threads a loop left
+        inside the dataset: the next epoch's reads come after theirs."""
+        left = self.__dict__.get("_left")
+        if not left:
+            return
+        timeout_s = self._staging_option("timeout_millis") / 1000
+        deadline = time.monotonic() + timeout_s
+        for run in list(left):
+            # In slices, so that Ctrl-C gets through.
+            while not run.wait_idle(min(0.1, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise StageTimeoutError(
+                        f"torch_stage.DataLoader: iter() waited {timeout_s:g} s for a "
+                        "staging thread that the previous loop left inside the dataset "
+                        "(or transform) to finish its call; the dataset is called by one "
+                        "thread at a time (timeout_millis bounds this wait)"
+                    )
+            left.discard(run)
 
     # A data descriptor over the instance's own __dict__ entry, so that
     # vars(loader) still has prefetch_factor (PyTorch Lightning rebuilds a
@@ -1081,6 +1161,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             return None
 
     def __iter__(self) -> Iterator[_T_co]:
+        self._wait_left()
         if self.persistent_workers and self.num_workers > 0:
             # The new epoch resets the workers the previous iterator reads.
             previous = self._current_iter()
@@ -1367,15 +1448,27 @@ class _LoaderIter:
     def _close_stage(self) -> None:
         run, stage = self._run, self._stage
         self._run = self._stage = self._stage_iter = None
-        if run is not None:
+        if run is None:
+            return
+        loader = self._loader
+        if loader.num_workers == 0:
+            # Leaving a loop is immediate, as with the plain loader: a
+            # staging thread inside the dataset is not waited for; it ends
+            # after that call and makes nothing more (run.close()), and the
+            # loader's next iter() waits for it, so the dataset is still
+            # called by one thread at a time.
+            if run.close():
+                loader._left_runs().add(run)
+            stage._impl.close(join_timeout_ms=0, warn_if_left=False)
+        else:
+            # Worker processes are shut down after this: a staging thread
+            # reading from them must be gone first (the plain loader's own
+            # shutdown waits for them too).
             run.stop()
-        if stage is not None:
             stage.close()
-            self._last_stats = self._loader._last_stats = self._stats_of(stage, run)
-            self._loader._tuning_memory = stage._tuning_memory()
-        if run is not None:
-            # No staging thread makes a batch any more.
-            run.recorder.release()
+            run.close()
+        self._last_stats = loader._last_stats = self._stats_of(stage, run)
+        loader._tuning_memory = stage._tuning_memory()
 
     def _finish(self) -> None:
         if self._loader._epoch is self._state:

@@ -20,7 +20,7 @@ import torch
 
 from torch_stage import _C
 from torch_stage._checks import MAX_STAGE_THREADS, MAX_THREADS, check_int, is_int
-from torch_stage.errors import StageTimeoutError
+from torch_stage.errors import StageClosed, StageTimeoutError
 from torch_stage.staging import _pytree
 
 __all__ = ["Stage", "add_stage_thread_pool", "make_prefetch_hook", "staged"]
@@ -37,6 +37,9 @@ _JOIN_TIMEOUT_MS = 10_000
 # it is left behind (parked if it ever wants the GIL again, see
 # csrc/python/bindings.h), and every live stage shares this one bound.
 _EXIT_JOIN_TIMEOUT_MS = 1_000
+# Set once the interpreter exits (_close_all): the threads still iterating
+# then are daemon threads, which the interpreter leaves where they are.
+_exiting = False
 # Stage.state_dict()'s format; load_state_dict() reads only this version.
 _STATE_VERSION = 1
 _STATE_TYPE = "torch_stage.Stage"
@@ -338,6 +341,10 @@ class _Client:
             item = self._next()
         except StopIteration:
             self._done = True
+            raise
+        except StageClosed:
+            if _exiting and threading.current_thread() is not threading.main_thread():
+                _park_daemon()
             raise
         if self._cursor is None:
             return item
@@ -801,6 +808,15 @@ def make_prefetch_hook():
             stage.close()
 
 
+def _park_daemon() -> None:
+    # A daemon thread waiting for an item when the interpreter exits: the
+    # exit closed the stage under it. A plain daemon thread in a blocking
+    # call (a queue's get(), the plain DataLoader's next()) stays there
+    # until the process ends, saying nothing; so does this one, instead of
+    # raising StageClosed into a traceback printed during shutdown.
+    threading.Event().wait()
+
+
 @atexit.register
 def _close_all() -> None:
     # C++ producer threads are not joined by threading's shutdown; stop them
@@ -808,9 +824,12 @@ def _close_all() -> None:
     # for the GIL any more (such a wait could end in finalization, where
     # CPython ends the thread from inside it: csrc/python/bindings.h).
     _C._interpreter_exit_begins()
+    global _exiting
+    _exiting = True
     deadline = time.monotonic() + _EXIT_JOIN_TIMEOUT_MS / 1000
     for stage in list(_live):
         impl = getattr(stage, "_impl", None)
         if impl is not None:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-            impl.close(join_timeout_ms=left_ms)
+            # Quietly: the process is going, and the producer with it.
+            impl.close(join_timeout_ms=left_ms, warn_if_left=False)

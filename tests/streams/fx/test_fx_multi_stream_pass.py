@@ -292,6 +292,42 @@ def test_a_keyword_that_only_var_keywords_takes_is_captured_by_export():
     assert torch.equal(gm(x, y=y), model(x, y=y))
 
 
+class _ShapeGuarded(nn.Module):
+    """Only torch.export captures it (its input comes by **kwargs), and
+    export guards the shape it branched on."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, **inputs):
+        x = inputs["x"]
+        if x.shape[0] > 2:
+            return self.a(x).relu() + self.b(x).sigmoid()
+        return self.a(x)
+
+
+def test_an_exported_plan_scripts_with_export_input_guards(tmp_path):
+    model = _ShapeGuarded()
+    x = torch.randn(4, 8)
+    gm = torch_stage.multi_stream(model, num_streams=2, example_kwargs={"x": x})
+    assert gm.stream_plan.streams_used == [0, 1]
+    scripted = torch.jit.script(gm)
+    torch.jit.save(scripted, str(tmp_path / "m.pt"))
+    loaded = torch.jit.load(str(tmp_path / "m.pt"))
+    for module in (scripted, loaded):
+        # Flat inputs in, a tuple out; the same result as eager.
+        (out,) = module(x)
+        assert torch.equal(out, model(x=x))
+        # The guard the Python module checks holds in TorchScript too.
+        with pytest.raises(torch.jit.Error, match=r"Guard failed: x.size\(\)\[0\] =="):
+            module(torch.randn(2, 8))
+    with pytest.raises(AssertionError, match="Guard failed"):
+        gm(x=torch.randn(2, 8))
+    # Scripting left the Python module as it was.
+    assert torch.equal(gm(x=x), model(x=x))
+
+
 class _FailingBranch(torch.nn.Module):
     def __init__(self):
         super().__init__()

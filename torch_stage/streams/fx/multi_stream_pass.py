@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -242,8 +244,9 @@ class MultiStreamPass:
                 'model with torch.compile(model, backend="torch_stage"), which keeps '
                 "them (torch >= 2.10)."
             )
-        exported = program.module()
+        exported, guards = _module_and_guards(program)
         exported._torch_stage_example_kwargs = kwargs or {}
+        exported._torch_stage_guards = guards
         for n in exported.graph.nodes:
             # The input checks export adds (shapes, dtypes): host work.
             if n.op == "call_module" and n.target == "_guards_fn":
@@ -317,7 +320,50 @@ class MultiStreamPass:
         cls = MultiStreamGraphModule if raw["fork"] else _GraphModule
         result = cls(graph_module, graph, type(graph_module).__name__)
         result.stream_plan = stream_plan
+        guards = graph_module.__dict__.get("_torch_stage_guards")
+        if guards:
+            result._torch_stage_guards = guards
         return result
+
+
+def _module_and_guards(program) -> Tuple[torch.fx.GraphModule, List[str]]:
+    """``program.module()``, and the input guards its ``_guards_fn`` checks,
+    as Python expressions over the placeholders' names (for the scripted
+    form, see :meth:`_GraphModule.__prepare_scriptable__`).
+
+    torch.export makes the guard function from source it does not keep; its
+    maker is wrapped for this thread, for this call only, to see the code.
+    """
+    from torch.export import _unlift
+
+    make = getattr(_unlift, "_convert_guards_code_to_fn", None)
+    if make is None:  # no guard module in this release
+        return program.module(), []
+    me = threading.get_ident()
+    seen: List[Tuple[list, list]] = []
+
+    def spy(guards_code, paths):
+        if threading.get_ident() == me:
+            seen.append((list(guards_code), list(paths)))
+        return make(guards_code, paths)
+
+    _unlift._convert_guards_code_to_fn = spy
+    try:
+        module = program.module()
+    finally:
+        _unlift._convert_guards_code_to_fn = make
+    if not seen:
+        return module, []
+    from torch.utils import _pytree as pytree
+
+    code, paths = seen[-1]
+    names = [n.name for n in module.graph.find_nodes(op="placeholder")]
+    guards = []
+    for guard in code:
+        for name, path in zip(names, paths):
+            guard = guard.replace("L" + pytree.keystr(path), name)
+        guards.append(guard.replace("\n", " "))
+    return module, guards
 
 
 def _export_input_spec(graph_module: torch.fx.GraphModule) -> Any:
@@ -672,7 +718,13 @@ class _GraphModule(torch.fx.GraphModule):
     def __deepcopy__(self, memo):
         res = super().__deepcopy__(memo)
         # GraphModule's copy keeps only what the graph references.
-        for name in ("stream_plan", "_own_stream_plan", "_mode_source", "_example_guard"):
+        for name in (
+            "stream_plan",
+            "_own_stream_plan",
+            "_mode_source",
+            "_example_guard",
+            "_torch_stage_guards",
+        ):
             if name in self.__dict__:
                 res.__dict__[name] = copy.deepcopy(self.__dict__[name], memo)
         if "forward" in self.__dict__:
@@ -698,6 +750,52 @@ class _GraphModule(torch.fx.GraphModule):
         # Unpickled, it is a plain GraphModule (torch.fx rebuilds one from
         # the code): the guard goes with it as a forward pre-hook.
         return (_unpickle_guarded, (reduced[0], reduced[1], guard))
+
+    def __prepare_scriptable__(self):
+        """What ``torch.jit.script`` compiles. A module torch.export captured
+        calls through pytree (inputs flattened from ``(args, kwargs)``, the
+        output rebuilt as forward's type, e.g. a Hugging Face
+        ``ModelOutput``) and checks its inputs in a Python guard module,
+        none of which TorchScript compiles; it is scripted as its flat
+        graph: forward takes the inputs export flattened, in order, and
+        returns the outputs as a tuple (Hugging Face's own TorchScript
+        convention, ``torchscript=True``), with the same guards compiled by
+        TorchScript. This module itself is unchanged."""
+        if _export_input_spec(self) is None:
+            return self
+        active = self.__dict__.get("forward")
+        source = active.__self__ if active is not None else self
+        graph = copy.deepcopy(source.graph)
+        graph._codegen = torch.fx.graph.CodeGen()
+        guards = self.__dict__.get("_torch_stage_guards") or []
+        for node in graph.find_nodes(op="call_module", target="_guards_fn"):
+            if guards:
+                with graph.inserting_before(node):
+                    graph.call_function(_script_guards(node.args, guards), node.args)
+            graph.erase_node(node)
+        for node in graph.nodes:
+            # TorchScript resolves an operator by its packet and the
+            # arguments' types; it has no syntax for export's overloads.
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                node.target = node.target.overloadpacket
+        (output,) = graph.find_nodes(op="output")
+        flat = output.args[0]
+        output.args = (tuple(flat) if isinstance(flat, (list, tuple)) else (flat,),)
+        root = torch.nn.Module()
+        for name, value in source.named_children():
+            if name != "_guards_fn":
+                root.add_module(name, value)
+        for name, value in source.__dict__.get("_parameters", {}).items():
+            root.register_parameter(name, value)
+        for name, value in source.__dict__.get("_buffers", {}).items():
+            root.register_buffer(name, value)
+        for node in graph.find_nodes(op="get_attr"):
+            head = node.target.split(".")[0]
+            if not hasattr(root, head):
+                setattr(root, head, getattr(source, head))
+        flat_module = torch.fx.GraphModule(root, graph, type(self).__name__)
+        flat_module.train(self.training)
+        return flat_module
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -728,6 +826,40 @@ class _GraphModule(torch.fx.GraphModule):
         if cls.__call__ is not self._call:
             cls.__call__ = self._call
         return code
+
+
+def _script_guards(args: Sequence[Any], guards: List[str]):
+    """A TorchScript function asserting export's input ``guards`` (Python
+    expressions over the placeholders' names) over ``args``."""
+    params = []
+    for node in args:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        kind = {bool: "bool", int: "int", float: "float"}.get(type(value), "Tensor")
+        params.append(f"{node.name}: {kind}")
+    body = "".join(
+        f"    torch._assert({guard}, {('Guard failed: ' + guard)!r})\n" for guard in guards
+    )
+    source = f"def torch_stage_export_guards({', '.join(params)}) -> None:\n{body}    return\n"
+    # TorchScript reads a function's source through linecache (as it does
+    # for a GraphModule's generated code): a file name of its own.
+    global _guard_sources
+    _guard_sources += 1
+    filename = f"<torch_stage export guards {_guard_sources}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: Dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor, "__name__": __name__}
+    exec(compile(source, filename, "exec"), namespace)
+    function = namespace["torch_stage_export_guards"]
+    try:
+        torch.jit.script(function)
+    except Exception as exc:  # noqa: BLE001 (said with the guards that did not compile)
+        raise TypeError(
+            "torch.jit.script: TorchScript cannot compile the input guards torch.export "
+            f"made for this module ({type(exc).__name__}: {exc}); the guards: {guards}"
+        ) from exc
+    return function
+
+
+_guard_sources = 0
 
 
 class MultiStreamGraphModule(_GraphModule):

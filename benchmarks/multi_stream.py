@@ -11,7 +11,12 @@
     two replayed from CUDA graphs (``cuda_graphs=True``; GPU only);
   - ``compile_inductor``: ``torch.compile(module)`` (default backend);
   - ``compile_torch_stage``: ``torch.compile(module, backend="torch_stage")``
-    (on inductor; benchmarks/compile_backends.py compares the backends).
+    (on inductor; benchmarks/compile_backends.py compares the backends);
+  - ``scripted_single_stream`` / ``scripted_multi_stream``: the traced
+    graph and the multi-stream plan scripted with TorchScript, called from
+    Python; and the same two saved and run from C++ with LibTorch alone
+    (``benchmarks/cpp/scripted_bench``, built by ``make build``; its own
+    interleaved rounds, ``cpp_us``), as a serving program runs them.
 
   Each row says whether every variant's results match eager (exactly for
   the eager multi-stream variants on CPU, within float tolerance otherwise; random
@@ -36,12 +41,16 @@ Usage: python benchmarks/multi_stream.py [--iters N] [--batch N] [--no-inductor]
 """
 
 import argparse
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import warnings
 
 import torch
 
@@ -81,14 +90,25 @@ def _cpu_ms(fn, inputs, iters):
     return statistics.median(times)
 
 
+def _script(module):
+    with warnings.catch_warnings():
+        # Said of every GraphModule's instance attributes; not ours to fix.
+        warnings.filterwarnings("ignore", "The TorchScript type system doesn't support")
+        return torch.jit.script(module)
+
+
 def _variants(module, device, inductor):
     """name -> callable; the CUDA graph ones only on a GPU."""
     torch._dynamo.reset()
+    traced = MultiStreamPass(num_streams=NUM_STREAMS).trace(module)
+    multi = torch_stage.multi_stream(module, num_streams=NUM_STREAMS)
     variants = {
         "eager_single_stream": module,
         # The traced graph before the pass: what FX itself costs.
-        "fx_graph_module": MultiStreamPass(num_streams=NUM_STREAMS).trace(module),
-        "eager_multi_stream": torch_stage.multi_stream(module, num_streams=NUM_STREAMS),
+        "fx_graph_module": traced,
+        "eager_multi_stream": multi,
+        "scripted_single_stream": _script(traced),
+        "scripted_multi_stream": _script(multi),
     }
     if device == "cuda":
         variants["cuda_graph_single_stream"] = torch_stage.CUDAGraphModule(module)
@@ -103,8 +123,45 @@ def _variants(module, device, inductor):
     return variants
 
 
+CPP_BENCH = os.path.join(ROOT, "build", "cpp", "benchmarks", "cpp", "scripted_bench")
+CPP_MODELS = ("scripted_single_stream", "scripted_multi_stream")
+
+
+def _cpp_us(variants, inputs, iters, rounds):
+    """The scripted variants saved and timed by the C++ program; None and
+    the reason where it cannot run."""
+    if not os.path.exists(CPP_BENCH):
+        return None, f"{CPP_BENCH} is not built (make build)"
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for name in CPP_MODELS:
+            paths.append(os.path.join(tmp, f"{name}.pt"))
+            torch.jit.save(variants[name], paths[-1])
+        data = os.path.join(tmp, "inputs.pt")
+        torch.save(tuple(inputs), data)
+        proc = subprocess.run(
+            [CPP_BENCH, data, str(iters), str(rounds), *paths],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    if proc.returncode != 0:
+        return None, f"scripted_bench failed: {proc.stderr.strip()[-500:]}"
+    got = json.loads(proc.stdout)
+    return {
+        "threads": got["threads"],
+        "us_per_call": dict(zip(CPP_MODELS, (round(v, 2) for v in got["us_per_call"]))),
+        "multi_vs_single_per_round_median": round(got["vs_first_per_round_median"][1], 3),
+    }, None
+
+
 def _matches(name, expected, got, device, random_ops):
-    exact = device == "cpu" and name in ("fx_graph_module", "eager_multi_stream")
+    exact = device == "cpu" and name in (
+        "fx_graph_module",
+        "eager_multi_stream",
+        "scripted_single_stream",
+        "scripted_multi_stream",
+    )
     if exact:
         return bool(torch.equal(expected, got))
     if random_ops and name != "eager_multi_stream":
@@ -165,11 +222,18 @@ def bench_models(device, batch, iters, inductor, rounds=5):
             for name, v in per_round.items()
             if name != "eager_single_stream"
         }
+        if device == "cpu":
+            # On a GPU the C++ program would time only the launches.
+            cpp, why = _cpp_us(variants, inputs, max(1, iters // rounds), rounds)
+            if cpp is None:
+                row.setdefault("skipped", {})["cpp"] = why
+            else:
+                row["cpp_us"] = cpp
         if device != "cuda":
-            row["skipped"] = {
+            row.setdefault("skipped", {}).update({
                 "cuda_graph_single_stream": "no GPU",
                 "cuda_graph_multi_stream": "no GPU",
-            }
+            })
         if not inductor:
             row.setdefault("skipped", {})["compile_inductor"] = "--no-inductor"
         results.append(row)
@@ -185,10 +249,23 @@ def _table_row(row, key):
     cells = "  ".join(
         f"{name} {ms:.3f} ({ratio[name]:.3f}x)" for name, ms in times.items() if name in _TABLE
     )
+    cpp = row.get("cpp_us")
+    if cpp is not None:
+        us = cpp["us_per_call"]
+        cells += (
+            f"  C++ scripted {us['scripted_single_stream']:.1f} -> "
+            f"{us['scripted_multi_stream']:.1f} us ({cpp['multi_vs_single_per_round_median']:.3f}x)"
+        )
     print(f"{row['model']:<16} {key} eager {base:.3f}  {cells}", file=sys.stderr, flush=True)
 
 
-_TABLE = ("fx_graph_module", "eager_multi_stream", "compile_torch_stage")
+_TABLE = (
+    "fx_graph_module",
+    "eager_multi_stream",
+    "scripted_single_stream",
+    "scripted_multi_stream",
+    "compile_torch_stage",
+)
 
 
 def bench_sanitizer(batch, iters):

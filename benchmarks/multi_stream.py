@@ -230,10 +230,12 @@ def bench_models(device, batch, iters, inductor, rounds=5):
             else:
                 row["cpp_us"] = cpp
         if device != "cuda":
-            row.setdefault("skipped", {}).update({
-                "cuda_graph_single_stream": "no GPU",
-                "cuda_graph_multi_stream": "no GPU",
-            })
+            row.setdefault("skipped", {}).update(
+                {
+                    "cuda_graph_single_stream": "no GPU",
+                    "cuda_graph_multi_stream": "no GPU",
+                }
+            )
         if not inductor:
             row.setdefault("skipped", {})["compile_inductor"] = "--no-inductor"
         results.append(row)

@@ -69,6 +69,18 @@ def devices():
 
 
 @pytest.fixture
+def emulated(monkeypatch):
+    """PyTorch's compiled-stream passes run as on a GPU, on the CPU
+    (tests/compiled_streams.py), with Dynamo's caches cleared around."""
+    from compiled_streams import emulate_streams
+
+    torch._dynamo.reset()
+    emulate_streams(monkeypatch)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def run_python():
     """Run a Python snippet in a fresh interpreter, bounded against hangs.
 

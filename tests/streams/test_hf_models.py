@@ -245,16 +245,6 @@ def test_three_sgd_steps_on_inductor_match_inductor_alone_and_eager(name):
         torch.testing.assert_close(q, r, rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    from compiled_streams import emulate_streams
-
-    torch._dynamo.reset()
-    emulate_streams(monkeypatch)
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_the_stream_program_inductor_gets_trains_race_free(name, emulated):
     # PyTorch's stream passes run as on a GPU (tests/compiled_streams.py):

@@ -417,16 +417,6 @@ _PROGRAMS = [
 ]
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    from compiled_streams import emulate_streams
-
-    torch._dynamo.reset()
-    emulate_streams(monkeypatch)
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("name", _PROGRAMS)
 def test_the_stream_program_inductor_gets_trains_race_free(name, emulated):
     # With PyTorch's stream passes run as on a GPU (tests/compiled_streams.py),

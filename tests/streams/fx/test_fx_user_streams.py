@@ -15,7 +15,7 @@ import threading
 
 import pytest
 import torch
-from compiled_streams import emulate_streams, remove_wait, restore, unordered_dependencies, waits
+from compiled_streams import remove_wait, restore, unordered_dependencies, waits
 from torch import nn
 from zoo import ZOO, build
 
@@ -24,14 +24,6 @@ from torch_stage.streams.fx import user_streams
 from torch_stage.streams.fx.user_streams import stream_index
 
 ENTRIES = {e.name: e for e in ZOO}
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    torch._dynamo.reset()
-    emulate_streams(monkeypatch)
-    yield
-    torch._dynamo.reset()
 
 
 class TwoBranches(nn.Module):

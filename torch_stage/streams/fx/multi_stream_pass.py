@@ -332,26 +332,30 @@ def _module_and_guards(program) -> Tuple[torch.fx.GraphModule, List[str]]:
     form, see :meth:`_GraphModule.__prepare_scriptable__`).
 
     torch.export makes the guard function from source it does not keep; its
-    maker is wrapped for this thread, for this call only, to see the code.
+    maker is wrapped for this call only, to see the code (another thread's
+    call meanwhile goes through the wrapper unchanged, and unrecorded).
     """
     from torch.export import _unlift
 
-    make = getattr(_unlift, "_convert_guards_code_to_fn", None)
-    if make is None:  # no guard module in this release
+    if not hasattr(_unlift, "_convert_guards_code_to_fn"):  # no guard module here
         return program.module(), []
-    me = threading.get_ident()
     seen: List[Tuple[list, list]] = []
+    me = threading.get_ident()
+    # One of these calls at a time, so that each puts back the original
+    # (two overlapping ones would leave the first one's wrapper in place).
+    with _guards_lock:
+        make = _unlift._convert_guards_code_to_fn
 
-    def spy(guards_code, paths):
-        if threading.get_ident() == me:
-            seen.append((list(guards_code), list(paths)))
-        return make(guards_code, paths)
+        def spy(guards_code, paths):
+            if threading.get_ident() == me:
+                seen.append((list(guards_code), list(paths)))
+            return make(guards_code, paths)
 
-    _unlift._convert_guards_code_to_fn = spy
-    try:
-        module = program.module()
-    finally:
-        _unlift._convert_guards_code_to_fn = make
+        _unlift._convert_guards_code_to_fn = spy
+        try:
+            module = program.module()
+        finally:
+            _unlift._convert_guards_code_to_fn = make
     if not seen:
         return module, []
     from torch.utils import _pytree as pytree
@@ -860,6 +864,7 @@ def _script_guards(args: Sequence[Any], guards: List[str]):
 
 
 _guard_sources = 0
+_guards_lock = threading.Lock()
 
 
 class MultiStreamGraphModule(_GraphModule):

@@ -137,12 +137,12 @@ docs: build
 	@echo "the docs: $(BUILD)/docs/index.html"
 
 # The wheel is built against the venv's torch (TORCH_SPEC): its libraries
-# link that torch's, so it installs beside that torch release.
+# link that torch's, so it installs beside that torch release. Same torch,
+# same flags as `make build`: its objects (build/temp) are reused.
 WHEEL_VENV ?= $(BUILD)/wheel-venv
 wheel: venv gtest
 	rm -rf dist
-	TORCH_STAGE_BUILD_TEMP=$(abspath $(BUILD))/wheel-temp \
-	  $(PIP) wheel -q --disable-pip-version-check --no-build-isolation --no-deps . -w dist
+	$(PIP) wheel -q --disable-pip-version-check --no-build-isolation --no-deps . -w dist
 	@ls dist/*.whl
 
 wheel-check: wheel

@@ -10,6 +10,7 @@
 // Python objects held by items and by the work are released with the GIL,
 // from whichever thread drops them; after interpreter finalisation has begun
 // they are leaked instead (touching the interpreter then is undefined).
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -19,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -582,7 +584,30 @@ std::optional<c10::Device> parse_device(const py::object& device) {
 
 } // namespace
 
+// What changes with every draw from torch's default CPU generator, read in
+// place: its state through get_state() is a 5 KB tensor made per reading,
+// and torch_stage.DataLoader's generator watch reads twice per batch. The
+// twister's position and next word (each draw moves them; a regeneration
+// of the words after 624 draws changes the first), and the cached normal
+// samples, which a draw may take without moving the twister.
+py::tuple cpu_generator_fingerprint() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto* impl = gen.get<at::CPUGeneratorImpl>();
+  const at::mt19937_data_pod pod = impl->engine().data();
+  const auto f = impl->next_float_normal_sample();
+  const auto d = impl->next_double_normal_sample();
+  return py::make_tuple(
+      pod.seed_,
+      pod.left_,
+      pod.next_,
+      pod.state_[0],
+      f.has_value() ? py::cast(*f) : py::none(),
+      d.has_value() ? py::cast(*d) : py::none());
+}
+
 void init_stage(py::module_& m) {
+  m.def("_cpu_generator_fingerprint", &cpu_generator_fingerprint);
   // Garbage-collected: a stage over its owner's method (transform=self.f,
   // or source=self.gen()) is a cycle through C++ that the collector would
   // otherwise never see, and the owner, the stage and its producer threads
@@ -742,6 +767,13 @@ void init_stage(py::module_& m) {
           py::arg("max_threads"),
           py::arg("why"),
           py::call_guard<ReleasedGil>())
+      // With the GIL held: neither blocks (see Stage::begin_own_item).
+      .def(
+          "begin_own_item",
+          [](PyStage& s) { return s.stage().begin_own_item(); })
+      .def(
+          "end_own_item",
+          [](PyStage& s, bool made) { s.stage().end_own_item(made); })
       .def("describe", [](PyStage& s) { return s.stage().describe(); })
       .def("buffered", [](PyStage& s) { return s.stage().buffered(); })
       .def_property_readonly(

@@ -392,6 +392,16 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::atomic<bool> source_done_flag{false}; // mirrors source_done, lock-free
   // Positions after the cutoff (end or error) are never delivered.
   std::atomic<int64_t> cutoff{kNoCutoff};
+  // A consumer making an item outside the stage (begin_own_item), and when
+  // it began; producers wait on source_cv until it ends. Guarded by
+  // source_mu, except own_* (the owning consumer's alone).
+  bool consumer_owns = false;
+  std::condition_variable source_cv;
+  int64_t own_start_ns = 0;
+  int64_t own_cpu_start_ns = -1; // -1: this item's CPU time is not read
+  int64_t own_items = 0;
+  int64_t own_unread_ns = 0; // wall time of own items since the last read
+  int64_t own_last_ns = 0;
 
   // Delivery order, guarded by turn_mu.
   std::mutex turn_mu;
@@ -649,11 +659,16 @@ struct Stage::State : std::enable_shared_from_this<State> {
       }
     };
     {
-      std::lock_guard<std::mutex> lock(source_mu);
+      std::unique_lock<std::mutex> lock(source_mu);
+      while (!consumer && consumer_owns && !stop.load()) {
+        // In slices: close() does not take source_mu to notify.
+        source_cv.wait_for(lock, std::chrono::milliseconds(10));
+      }
       if (source_done || stop.load()) {
         return false;
       }
-      if (consumer && (in_flight.load() != 0 || buffer.size() != 0)) {
+      if (consumer &&
+          (in_flight.load() != 0 || buffer.size() != 0 || consumer_owns)) {
         return false;
       }
       // The slot is taken once this producer's turn to read has come: one
@@ -921,6 +936,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
       std::lock_guard<std::mutex> lock(turn_mu);
     }
     turn_cv.notify_all();
+    // Not under source_mu, which a producer holds while it pulls (user code
+    // that may take long): the waiters look at `stop` in slices.
+    source_cv.notify_all();
     wake_parked();
     StagePools::wake_all();
     buffer.cancel();
@@ -1147,6 +1165,77 @@ TakeStatus Stage::take_for(
     st.tune();
   }
   return TakeStatus::kItem;
+}
+
+// Own items' CPU time is read for one in kOwnCpuEvery (a read is a system
+// call, ~0.2 us, more than the rest of an item's bookkeeping), and for every
+// item after one longer than kOwnCpuAlwaysNs; each read's share stands for
+// the wall time since the last read, so the tuner's share of production on
+// the CPU is an estimate over its window.
+constexpr int64_t kOwnCpuEvery = 16;
+constexpr int64_t kOwnCpuAlwaysNs = 50'000;
+
+bool Stage::begin_own_item() {
+  State& st = *state_;
+  if (!st.consumers_produce() || st.stop.load()) {
+    return false;
+  }
+  std::unique_lock<std::mutex> lock(st.source_mu, std::try_to_lock);
+  if (!lock.owns_lock() || st.source_done || st.consumer_owns ||
+      st.in_flight.load() != 0 || st.buffer.size() != 0 ||
+      !st.consumers_produce() || st.stop.load()) {
+    return false;
+  }
+  st.consumer_owns = true;
+  lock.unlock();
+  st.own_cpu_start_ns =
+      st.own_items % kOwnCpuEvery == 0 || st.own_last_ns >= kOwnCpuAlwaysNs
+      ? thread_cpu_ns()
+      : -1;
+  st.own_start_ns = now_ns();
+  return true;
+}
+
+void Stage::end_own_item(bool made) {
+  State& st = *state_;
+  const int64_t end = now_ns();
+  {
+    std::lock_guard<std::mutex> lock(st.source_mu);
+    if (!st.consumer_owns) {
+      return;
+    }
+    st.consumer_owns = false;
+  }
+  st.source_cv.notify_all();
+  if (!made) {
+    return;
+  }
+  const int64_t ns = end - st.own_start_ns;
+  ++st.own_items;
+  st.own_unread_ns += ns;
+  st.own_last_ns = ns;
+  if (st.own_cpu_start_ns >= 0) {
+    const int64_t cpu = thread_cpu_ns();
+    if (cpu > 0 && ns > 0) {
+      const double share =
+          std::min(1.0, static_cast<double>(cpu - st.own_cpu_start_ns) / ns);
+      st.inline_cpu_ns += static_cast<int64_t>(share * st.own_unread_ns);
+      st.own_unread_ns = 0;
+    }
+  }
+  st.inline_ns += ns;
+  ++st.inline_items;
+  ++st.produced;
+  ++st.consumed;
+  if (trace::enabled()) {
+    trace::Record r;
+    r.end_ns = trace::now_ns();
+    r.start_ns = r.end_ns - ns;
+    r.name = st.range_pull;
+    r.kind = trace::Kind::kPull;
+    trace::record(r);
+  }
+  st.tune();
 }
 
 void Stage::close() {

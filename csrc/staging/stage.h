@@ -324,6 +324,24 @@ class Stage {
       bool may_produce = true);
   int32_t take_span_name() const;
 
+  // A consumer that owns the source's object makes the next item itself,
+  // outside the stage, where auto-tuning's no-thread setting holds: what
+  // torch_stage.DataLoader does on the training loop's thread, as the plain
+  // DataLoader does, without the stage's hand-over per item. True when no
+  // producer may work, nothing is buffered or on its way, the source has
+  // not ended and no other consumer is making one: the caller then makes
+  // the item and must call end_own_item() (on every path; producers that
+  // the tuner lets work meanwhile wait for it). False: take() as usual.
+  // Never blocks (a try-lock of the source lock), so it may be called
+  // holding a lock that producers need (the GIL). Positions are the
+  // stage's own: an item made this way is not one of them.
+  bool begin_own_item();
+  // Ends what begin_own_item() began. `made`: an item came of it, counted
+  // as produced inline and taken (stats, the tuner, which runs here as
+  // after a take); false: the source ended or raised, which is the
+  // caller's to handle.
+  void end_own_item(bool made);
+
   // Stops and joins the producers; idempotent; safe from any thread. A
   // producer still inside StageWork after `join_timeout` (default: the
   // stage's option) is left to finish on its own, with a warning unless

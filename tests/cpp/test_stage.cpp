@@ -390,6 +390,100 @@ TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
   EXPECT_TRUE(stage.stats().finished); // parked producers saw the end
 }
 
+TEST(Stage, AConsumerMakesItsOwnItemsOnlyWhereNoThreadMayWork) {
+  auto work = std::make_shared<CountingWork>(1000);
+  auto o = options(2, 3);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 2;
+  o.tune_window_ns = 60'000'000'000; // never judged in this test
+  Stage stage(o, work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem); // position 0, inline
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(stage.begin_own_item());
+    EXPECT_FALSE(stage.begin_own_item()); // one owner at a time
+    stage.end_own_item(/*made=*/i % 2 == 0);
+  }
+  auto s = stage.stats();
+  EXPECT_EQ(s.consumed, 11);
+  EXPECT_EQ(s.produced, 11);
+  EXPECT_EQ(s.inline_items, 11);
+  EXPECT_EQ(work->pulls.load(), 1); // own items are not the stage's positions
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  EXPECT_EQ(item.tensors.at(0).item<int64_t>(), 1);
+
+  // With a producer allowed to work, never.
+  auto busy = std::make_shared<CountingWork>(1000);
+  Stage threaded(restless(2, 2), busy);
+  ASSERT_EQ(threaded.take(item), TakeStatus::kItem);
+  EXPECT_FALSE(threaded.stats().threads == 2 && threaded.begin_own_item());
+}
+
+// While a consumer makes its own item, no producer pulls, whatever the tuner
+// lets them do meanwhile; every position still arrives once, in order.
+TEST(Stage, NoProducerPullsWhileAConsumerMakesItsOwnItem) {
+  class Watched : public CountingWork {
+   public:
+    using CountingWork::CountingWork;
+    Outcome pull(int64_t index, StageItem& item) override {
+      if (owned.load()) {
+        ++overlaps;
+      }
+      return CountingWork::pull(index, item);
+    }
+    std::atomic<bool> owned{false};
+    std::atomic<int64_t> overlaps{0};
+  };
+  auto work = std::make_shared<Watched>(600);
+  work->jitter = true;
+  Stage stage(restless(3, 0), work); // a new setting after every item
+  std::vector<int64_t> positions;
+  int64_t own = 0;
+  StageItem item;
+  while (true) {
+    if (stage.begin_own_item()) {
+      work->owned.store(true);
+      std::this_thread::sleep_for(200us);
+      work->owned.store(false);
+      stage.end_own_item(true);
+      ++own;
+      continue;
+    }
+    const auto status = stage.take(item);
+    if (status != TakeStatus::kItem) {
+      ASSERT_EQ(status, TakeStatus::kEnd);
+      break;
+    }
+    positions.push_back(item.tensors.at(0).item<int64_t>());
+  }
+  EXPECT_EQ(positions, iota(600));
+  EXPECT_EQ(work->overlaps.load(), 0);
+  EXPECT_GT(own, 0) << log_of(stage);
+  EXPECT_EQ(stage.stats().consumed, 600 + own);
+}
+
+TEST(Stage, CloseWhileAConsumerMakesItsOwnItemReturnsAtOnce) {
+  auto work = std::make_shared<CountingWork>(1'000'000);
+  auto o = options(2, 4);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 2;
+  o.tune_window_ns = 60'000'000'000;
+  Stage stage(o, work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  ASSERT_TRUE(stage.begin_own_item());
+  const auto start = std::chrono::steady_clock::now();
+  stage.close(30s);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  stage.end_own_item(true);
+  EXPECT_FALSE(stage.begin_own_item());
+  EXPECT_EQ(stage.take(item), TakeStatus::kClosed);
+}
+
 TEST(Stage, CloseReleasesParkedProducersAtOnce) {
   auto work = std::make_shared<CountingWork>(1'000'000);
   auto o = options(2, 4);

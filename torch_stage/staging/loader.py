@@ -10,6 +10,7 @@ batches already on the device.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import inspect
 import random
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch
 import torch.utils.data
 
+from torch_stage import _C
 from torch_stage.errors import StageClosed, StageError, StageTimeoutError
 from torch_stage.staging import _pytree
 from torch_stage.staging.stage import Stage, staged
@@ -268,7 +270,17 @@ def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
     records = getattr(_recording, "records", None)
     if records is None or getattr(_recording, "contexts", 0) > _recording.base:
         # Not producing a batch, or inside a catch_warnings() the batch's
-        # own code entered.
+        # own code entered. A warning aimed at a frame of this module (the
+        # plain iterator's length warning, at its caller: _own_batch) is
+        # aimed at the consumer's caller, as in the plain DataLoader, which
+        # has no frames between them.
+        try:
+            frame = sys._getframe(level - 1)
+        except ValueError:  # a level past the outermost frame
+            frame = None
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back
+            level += 1
         return _plain_warn(message, category, level, source, **kwargs)
     if isinstance(message, Warning):
         category = type(message)
@@ -342,29 +354,100 @@ def _reemit(records) -> None:
 
 
 # next() calls of an epoch during which _GlobalDraws watches. A reading of
-# the generators' states takes ~60 us (NumPy's get_state() most of it), a
-# comparison ~15: one each per next() and per batch made in the loop.
+# the generators takes ~1 us (_Fingerprints), a comparison less: two
+# readings per batch made in the loop, one per batch a thread made.
 _WATCHED_BATCHES = 64
 _GENERATORS = ("torch's CPU generator", "Python's random", "NumPy's global generator")
 
 
+class _Fingerprints:
+    """Readings of the global random generators that a dataset, a sampler,
+    a transform or a training loop may draw from, each of which changes with
+    every draw: for torch's CPU generator what its C++ side reads in place
+    (``_C._cpu_generator_fingerprint``), and for Python's ``random``
+    and NumPy's legacy global generator (Mersenne twisters both) the
+    twister's position in its 624 words and its first word (a draw moves
+    the position; 624 of them regenerate the words), plus ``random``'s
+    cached Gaussian.
+
+    The two twisters are read in place (ctypes views of their C structs)
+    because their state getters copy 2.5 KB into Python objects, 7 us for
+    ``random.getstate()`` and 31 for NumPy's ``get_state()``, at two readings
+    per batch. Each view is checked once against the getter and, if the
+    layout is not the one expected (another interpreter, another NumPy),
+    the getter is used. NumPy's legacy cached Gaussian is not read (it has
+    no reader short of ``get_state()``): a normal draw that takes only the
+    cache goes unseen, its neighbours are seen.
+    """
+
+    def __init__(self) -> None:
+        self._random = self._random_reader()
+        self._numpy_module = None
+        self._numpy = None
+
+    @staticmethod
+    def _random_reader() -> Callable[[], Any]:
+        inst = random._inst  # what random.random() and the rest draw from
+        try:
+            # _randommodule.c: PyObject_HEAD; int index; uint32_t state[624].
+            base = id(inst) + object.__basicsize__
+            index = ctypes.c_int.from_address(base)
+            first = ctypes.c_uint32.from_address(base + ctypes.sizeof(ctypes.c_int))
+            _, words, _ = inst.getstate()
+            if (index.value, first.value) == (words[624], words[0]):
+                return lambda: (index.value, first.value, inst.gauss_next)
+        except Exception:  # noqa: BLE001 (any surprise: the getter below)
+            pass
+        return inst.getstate
+
+    def _numpy_reader(self, numpy) -> Callable[[], Any]:
+        legacy = numpy.random.mtrand._rand
+        try:
+            bits = legacy._bit_generator
+            # randomkit's mt19937_state: uint32_t key[624]; int pos.
+            address = bits.ctypes.state_address
+            first = ctypes.c_uint32.from_address(address)
+            pos = ctypes.c_int.from_address(address + 624 * 4)
+            _, keys, position, _, _ = legacy.get_state()
+            if (pos.value, first.value) == (position, int(keys[0])):
+                # (The views do not keep the generator alive: the default does.)
+                return lambda _owner=bits: (pos.value, first.value)
+        except Exception:  # noqa: BLE001 (any surprise: the getter below)
+            pass
+
+        def full():
+            kind, keys, pos, has_gauss, gauss = legacy.get_state()
+            return (pos, keys.tobytes(), has_gauss, gauss)
+
+        return full
+
+    def read(self) -> tuple:
+        numpy = sys.modules.get("numpy")
+        if numpy is not self._numpy_module:
+            self._numpy_module = numpy
+            self._numpy = None if numpy is None else self._numpy_reader(numpy)
+        return (
+            _C._cpu_generator_fingerprint(),
+            self._random(),
+            None if self._numpy is None else self._numpy(),
+        )
+
+
+_fingerprints: Optional[_Fingerprints] = None
+
+
 def _generator_states() -> tuple:
-    """The states of the global random generators that a dataset, a
-    sampler, a transform or a training loop may draw from."""
-    numpy = sys.modules.get("numpy")
-    np_state = None
-    if numpy is not None:
-        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
-        np_state = (pos, keys.tobytes(), has_gauss, gauss)
-    return (torch.default_generator.get_state(), random.getstate(), np_state)
+    global _fingerprints
+    if _fingerprints is None:
+        _fingerprints = _Fingerprints()
+    return _fingerprints.read()
 
 
-def _drawn_from(before: tuple, after: tuple) -> set:
-    drawn = set()
-    if not torch.equal(before[0], after[0]):
-        drawn.add(0)
-    drawn.update(k for k in (1, 2) if before[k] != after[k])
-    return drawn
+def _drawn_from(before: tuple, after: tuple):
+    """The generators (indices into _GENERATORS) drawn from between two readings."""
+    if before == after:
+        return ()
+    return {k for k in (0, 1, 2) if before[k] != after[k]}
 
 
 class _GlobalDraws:
@@ -1071,6 +1154,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             # thread does not pay, e.g. when the batches are made by Python
             # code that holds the GIL the training step needs.
             _min_threads=0,
+            _initial_threads=0,
             _tuning_memory=self._next_tuning_memory() if autotune else None,
             _any_structure=True,
             # A failed copy to `device` raises at its batch and the epoch
@@ -1319,6 +1403,10 @@ class _LoaderIter:
         self._pending: Optional[tuple] = None
         self._last_stats: dict = {}
         self._done = False
+        # Whether batches may be made here, outside the stage (_own_batch),
+        # and the transform they then get.
+        self._own_path = False
+        self._own_transform: Optional[Callable[[Any], Any]] = None
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -1366,6 +1454,16 @@ class _LoaderIter:
                     None if transform is None else self._run.transform(transform),
                 )
                 self._stage_iter = iter(self._stage)
+                # A batch for `device` is copied by the stage (pinned buffers,
+                # its stream): never made outside it.
+                self._own_path = self._loader._staging_option("device") is None
+                self._own_transform = transform
+            elif self._own_path and self._stage._impl.begin_own_item():
+                # The tuner runs no staging thread and none has a batch on
+                # its way: this one is made here, on the loop's thread, as
+                # the plain DataLoader makes it (its warnings and errors
+                # straight from the dataset), without the stage's hand-over.
+                return self._own_batch(epoch, index)
             elif epoch.known is not None and index >= epoch.known:
                 self._run.demand.release()
             try:
@@ -1421,6 +1519,47 @@ class _LoaderIter:
             draws.loop_leaves()
         if records:
             _reemit(records)
+        return batch
+
+    def _own_batch(self, epoch: _Epoch, index: int):
+        """The batch at ``index``, made on this thread between the stage's
+        begin_own_item() (true) and end_own_item(): no staging thread pulls
+        meanwhile. An error or the end is the plain iterator's, raised here
+        as the plain DataLoader raises it; the stage stays as it was."""
+        impl = self._stage._impl
+        draws = epoch.draws
+        transform = self._own_transform
+        try:
+            if draws.watching():
+                batch = draws.make(draws.pull, next, epoch.base)
+            else:
+                batch = next(epoch.base)
+        except StopIteration:
+            epoch.pulled += 1
+            impl.end_own_item(False)
+            self._finish()
+            raise
+        except BaseException:
+            epoch.pulled += 1
+            impl.end_own_item(False)
+            self._count()
+            raise
+        epoch.pulled += 1
+        if transform is not None:
+            try:
+                if draws.watching():
+                    batch = draws.make(draws.transform, transform, batch)
+                else:
+                    batch = transform(batch)
+            except BaseException:
+                impl.end_own_item(False)
+                self._count()
+                raise
+        impl.end_own_item(True)
+        self._count()
+        if draws.watching():
+            self._limit_threads(draws.limit())
+            draws.loop_leaves()
         return batch
 
     def _limit_threads(self, limit: Optional[tuple]) -> None:

@@ -1161,7 +1161,7 @@ def test_autotune_tunes_what_is_left_as_none():
         assert list(stage) == list(range(10))
         s = stage.stats()
         assert s["tuning"] is not None and s["tuning"]["windows"] >= 0
-        assert s["capacity"] >= 2 and 1 <= s["threads"] <= torch_stage.staging.stage._usable_cores()
+        assert s["capacity"] >= 2 and 0 <= s["threads"] <= torch_stage.staging.stage._usable_cores()
     with staged(range(10), capacity=3, num_threads=2) as stage:
         assert list(stage) == list(range(10))
         s = stage.stats()
@@ -1172,6 +1172,32 @@ def test_autotune_tunes_what_is_left_as_none():
         assert (s["tuning"], s["capacity"], s["threads"]) == (None, 1, 1)
     with pytest.raises(TypeError, match="autotune must be a bool, got 'yes'"):
         staged(range(3), autotune="yes")
+
+
+def test_autotune_may_park_every_thread_and_the_consumer_makes_the_items():
+    # Where no thread pays (a step that needs every core), staged() may end
+    # up as a plain loop: the consumer makes each item in next(), in order,
+    # errors at their positions. What the tuner decides from timings is
+    # what limit_threads() says here, without them.
+    def source():
+        yield from range(5)
+        raise ValueError("item 5 is bad")
+
+    with staged(source()) as stage:
+        it = iter(stage)
+        assert next(it) == 0
+        stage._impl.limit_threads(0, "the test says none pays")
+        deadline = time.monotonic() + HANG_BOUND_S
+        while stage.stats()["threads"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stage.stats()["threads"] == 0
+        taken = [next(it) for _ in range(4)]
+        with pytest.raises(ValueError, match="item 5 is bad"):
+            next(it)
+        s = stage.stats()
+    assert taken == [1, 2, 3, 4]
+    assert s["inline_items"] >= 1  # what was not staged before the limit
+    assert "the test says none pays" in "\n".join(s["tuning"]["decisions"])
 
 
 def test_autotune_adds_threads_for_a_slow_transform():

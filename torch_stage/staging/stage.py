@@ -516,7 +516,8 @@ def staged(
     ordered: bool = True,
     put_timeout_millis: Optional[int] = None,
     autotune: bool = True,
-    _min_threads: int = 1,
+    _min_threads: int = 0,
+    _initial_threads: int = 1,
     _tuning_memory: Optional[dict] = None,
     _any_structure: bool = False,
     _item_errors: bool = False,
@@ -539,8 +540,12 @@ def staged(
             memory budget (see ``autotune``); 1 without it.
         num_threads: producer threads (>= 1); the source is read by one at a
             time, the transform and the copy run on all at once. None
-            (default): chosen by auto-tuning between 1 and the cores this
-            process may use (at most 8); 1 without it.
+            (default): chosen by auto-tuning, from 1, between none (where
+            no thread pays, the consumer makes each item itself in
+            ``next()``, as a plain loop does; ``timeout_millis`` bounds
+            waits for producers, and a consumer making an item waits for
+            none) and the cores this process may use (at most 8); 1 without
+            it.
         autotune: choose what ``capacity`` and ``num_threads`` leave as
             None while the stage runs (tf.data's AUTOTUNE, measured instead
             of modelled): windows of items are timed at the consumer, and a
@@ -613,7 +618,7 @@ def staged(
         check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_STAGE_THREADS)
     if not isinstance(autotune, bool):
         raise TypeError(f"autotune must be a bool, got {autotune!r}")
-    tuning = _tuning(capacity, num_threads, autotune, _min_threads)
+    tuning = _tuning(capacity, num_threads, autotune, _min_threads, _initial_threads)
     if _tuning_memory is not None and tuning.get("auto_tune"):
         # What an earlier stage of the same work settled on (a DataLoader's
         # previous epoch), clamped to this stage's bounds in C++.
@@ -721,14 +726,16 @@ def _memory_bytes() -> int:
         return 16 << 30
 
 
-def _tuning(capacity, num_threads, autotune: bool, min_threads: int) -> dict:
+def _tuning(capacity, num_threads, autotune: bool, min_threads: int, initial_threads: int) -> dict:
     """The stage options for the capacity and thread count a user gave or
-    left to auto-tuning (None)."""
+    left to auto-tuning (None). Tuned threads go down to ``min_threads``: 0
+    lets the tuner park every thread where none pays, and the consumer then
+    makes each item itself in ``next()``, as a plain loop does."""
     tune_threads = autotune and num_threads is None
     tune_capacity = autotune and capacity is None
     if tune_threads:
         threads = max(min(_usable_cores(), _AUTO_MAX_THREADS), min_threads, 1)
-        initial = min_threads
+        initial = min(max(initial_threads, min_threads), threads)
     else:
         threads = initial = 1 if num_threads is None else num_threads
     if tune_capacity:

@@ -169,6 +169,8 @@ bench: build
 	$(CPP_BUILD)/benchmarks/cpp/records_bench --layout columns --json $(BUILD)/bench/records_bench.json
 	$(PY) benchmarks/multi_stream.py --json $(BUILD)/bench/multi_stream.json
 	$(PY) benchmarks/compile_backends.py --json $(BUILD)/bench/compile_backends.json
+	$(PY) benchmarks/dataloader_per_batch.py --json $(BUILD)/bench/dataloader_per_batch.json
+	$(PY) benchmarks/dataloader_grid.py --json $(BUILD)/bench/dataloader_grid.json
 
 # tf.data beside the records pipeline (benchmarks/records_vs_tf_data.py, and
 # record_pipeline.py's tf.data column). TensorFlow is never a test

@@ -392,9 +392,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::atomic<bool> source_done_flag{false}; // mirrors source_done, lock-free
   // Positions after the cutoff (end or error) are never delivered.
   std::atomic<int64_t> cutoff{kNoCutoff};
-  // A consumer making an item outside the stage (begin_own_item), and when
-  // it began; producers wait on source_cv until it ends. Guarded by
-  // source_mu, except own_* (the owning consumer's alone).
+  // A consumer making an item outside the stage (begin_own_item), and what
+  // the tuner is told of such items; producers wait on source_cv until it
+  // ends. Guarded by source_mu.
   bool consumer_owns = false;
   std::condition_variable source_cv;
   int64_t own_start_ns = 0;
@@ -1187,7 +1187,6 @@ bool Stage::begin_own_item() {
     return false;
   }
   st.consumer_owns = true;
-  lock.unlock();
   st.own_cpu_start_ns =
       st.own_items % kOwnCpuEvery == 0 || st.own_last_ns >= kOwnCpuAlwaysNs
       ? thread_cpu_ns()
@@ -1198,31 +1197,35 @@ bool Stage::begin_own_item() {
 
 void Stage::end_own_item(bool made) {
   State& st = *state_;
-  const int64_t end = now_ns();
+  int64_t ns = 0;
+  int64_t cpu_ns = 0;
   {
     std::lock_guard<std::mutex> lock(st.source_mu);
     if (!st.consumer_owns) {
       return;
     }
     st.consumer_owns = false;
+    if (made) {
+      ns = now_ns() - st.own_start_ns;
+      ++st.own_items;
+      st.own_unread_ns += ns;
+      st.own_last_ns = ns;
+      if (st.own_cpu_start_ns >= 0) {
+        const int64_t cpu = thread_cpu_ns();
+        if (cpu > 0 && ns > 0) {
+          const double share = std::min(
+              1.0, static_cast<double>(cpu - st.own_cpu_start_ns) / ns);
+          cpu_ns = static_cast<int64_t>(share * st.own_unread_ns);
+          st.own_unread_ns = 0;
+        }
+      }
+    }
   }
   st.source_cv.notify_all();
   if (!made) {
     return;
   }
-  const int64_t ns = end - st.own_start_ns;
-  ++st.own_items;
-  st.own_unread_ns += ns;
-  st.own_last_ns = ns;
-  if (st.own_cpu_start_ns >= 0) {
-    const int64_t cpu = thread_cpu_ns();
-    if (cpu > 0 && ns > 0) {
-      const double share =
-          std::min(1.0, static_cast<double>(cpu - st.own_cpu_start_ns) / ns);
-      st.inline_cpu_ns += static_cast<int64_t>(share * st.own_unread_ns);
-      st.own_unread_ns = 0;
-    }
-  }
+  st.inline_cpu_ns += cpu_ns;
   st.inline_ns += ns;
   ++st.inline_items;
   ++st.produced;

@@ -1463,7 +1463,7 @@ class _LoaderIter:
                 # its way: this one is made here, on the loop's thread, as
                 # the plain DataLoader makes it (its warnings and errors
                 # straight from the dataset), without the stage's hand-over.
-                return self._own_batch(epoch, index)
+                return self._own_batch(epoch)
             elif epoch.known is not None and index >= epoch.known:
                 self._run.demand.release()
             try:
@@ -1521,8 +1521,8 @@ class _LoaderIter:
             _reemit(records)
         return batch
 
-    def _own_batch(self, epoch: _Epoch, index: int):
-        """The batch at ``index``, made on this thread between the stage's
+    def _own_batch(self, epoch: _Epoch):
+        """The next batch, made on this thread between the stage's
         begin_own_item() (true) and end_own_item(): no staging thread pulls
         meanwhile. An error or the end is the plain iterator's, raised here
         as the plain DataLoader raises it; the stage stays as it was."""

@@ -323,6 +323,18 @@ StageOptions restless(int64_t threads, int64_t initial, bool ordered = true) {
   return o;
 }
 
+// Auto-tuning held at no thread (the consumer produces): a tuning window
+// no test reaches, so the setting never changes.
+StageOptions no_thread(int64_t threads) {
+  auto o = options(2, threads);
+  o.auto_tune = true;
+  o.min_threads = 0;
+  o.initial_threads = 0;
+  o.max_capacity = 2;
+  o.tune_window_ns = 60'000'000'000;
+  return o;
+}
+
 TEST(Stage, AutoTunedDeliversInOrderWhileTheSettingChanges) {
   auto work = std::make_shared<CountingWork>(3000);
   work->jitter = true;
@@ -376,13 +388,7 @@ TEST(Stage, AutoTunedErrorArrivesAtItsPositionWhoeverProducedIt) {
 
 TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
   auto work = std::make_shared<CountingWork>(50);
-  auto o = options(2, 3);
-  o.auto_tune = true;
-  o.min_threads = 0;
-  o.initial_threads = 0;
-  o.max_capacity = 2;
-  o.tune_window_ns = 60'000'000'000; // never judged in this test
-  Stage stage(o, work);
+  Stage stage(no_thread(3), work);
   EXPECT_EQ(drain(stage), iota(50));
   EXPECT_EQ(work->consumer_pulls.load(), 51); // the end too
   EXPECT_EQ(stage.stats().inline_items, 51);
@@ -392,13 +398,7 @@ TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
 
 TEST(Stage, AConsumerMakesItsOwnItemsOnlyWhereNoThreadMayWork) {
   auto work = std::make_shared<CountingWork>(1000);
-  auto o = options(2, 3);
-  o.auto_tune = true;
-  o.min_threads = 0;
-  o.initial_threads = 0;
-  o.max_capacity = 2;
-  o.tune_window_ns = 60'000'000'000; // never judged in this test
-  Stage stage(o, work);
+  Stage stage(no_thread(3), work);
   StageItem item;
   ASSERT_EQ(stage.take(item), TakeStatus::kItem); // position 0, inline
   for (int i = 0; i < 20; ++i) {
@@ -466,13 +466,7 @@ TEST(Stage, NoProducerPullsWhileAConsumerMakesItsOwnItem) {
 
 TEST(Stage, CloseWhileAConsumerMakesItsOwnItemReturnsAtOnce) {
   auto work = std::make_shared<CountingWork>(1'000'000);
-  auto o = options(2, 4);
-  o.auto_tune = true;
-  o.min_threads = 0;
-  o.initial_threads = 0;
-  o.max_capacity = 2;
-  o.tune_window_ns = 60'000'000'000;
-  Stage stage(o, work);
+  Stage stage(no_thread(4), work);
   StageItem item;
   ASSERT_EQ(stage.take(item), TakeStatus::kItem);
   ASSERT_TRUE(stage.begin_own_item());
@@ -486,13 +480,7 @@ TEST(Stage, CloseWhileAConsumerMakesItsOwnItemReturnsAtOnce) {
 
 TEST(Stage, CloseReleasesParkedProducersAtOnce) {
   auto work = std::make_shared<CountingWork>(1'000'000);
-  auto o = options(2, 4);
-  o.auto_tune = true;
-  o.min_threads = 0;
-  o.initial_threads = 0;
-  o.max_capacity = 2;
-  o.tune_window_ns = 60'000'000'000;
-  Stage stage(o, work);
+  Stage stage(no_thread(4), work);
   StageItem item;
   ASSERT_EQ(stage.take(item), TakeStatus::kItem);
   // The producers park as soon as they run (they may not have yet).

@@ -1530,10 +1530,7 @@ class _LoaderIter:
         draws = epoch.draws
         transform = self._own_transform
         try:
-            if draws.watching():
-                batch = draws.make(draws.pull, next, epoch.base)
-            else:
-                batch = next(epoch.base)
+            batch = draws.make(draws.pull, next, epoch.base)
         except StopIteration:
             epoch.pulled += 1
             impl.end_own_item(False)
@@ -1547,10 +1544,7 @@ class _LoaderIter:
         epoch.pulled += 1
         if transform is not None:
             try:
-                if draws.watching():
-                    batch = draws.make(draws.transform, transform, batch)
-                else:
-                    batch = transform(batch)
+                batch = draws.make(draws.transform, transform, batch)
             except BaseException:
                 impl.end_own_item(False)
                 self._count()

@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -57,6 +58,13 @@ void notify(
   note.value = std::move(value);
   note.owner_thread = owner_thread;
   notify_stream_op(note);
+}
+
+// Whether autocast is on for any device type on this thread: its dispatch
+// keys are excluded from the thread's key set while it is off.
+bool autocast_on() {
+  return !c10::impl::tls_local_dispatch_key_set().excluded_.isSupersetOf(
+      c10::autocast_dispatch_keyset);
 }
 
 } // namespace
@@ -180,9 +188,13 @@ void StreamRun::register_live() {
   // making, with no event between them. For the run each use casts its
   // own copy: a cast more per reuse of a weight within one forward, and,
   // where one autocast region spans several forwards, per forward (the
-  // usual region of one step clears the cache at every step anyway). Last
+  // usual region of one step clears the cache at every step anyway). Only
+  // inside autocast: outside there is nothing cached, and with the cache
+  // off every op pays more host time (torch.autocast's own enter sets the
+  // cache as it asks, so a region opened inside forward is its own). Last
   // here, so a constructor that throws leaves the setting as it was.
-  if (num_streams_ > 1 && at::autocast::is_autocast_cache_enabled()) {
+  if (num_streams_ > 1 && autocast_on() &&
+      at::autocast::is_autocast_cache_enabled()) {
     at::autocast::set_autocast_cache_enabled(false);
     restore_autocast_cache_ = true;
   }

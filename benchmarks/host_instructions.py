@@ -45,7 +45,7 @@ def _child(calls, models):
     for name in models:
         entry = next(e for e in zoo.ZOO if e.name == name)
         module = zoo.build(entry).eval()
-        inputs = entry.inputs(1, "cpu")
+        inputs = entry.inputs(max(1, entry.min_batch), "cpu")
         variants = {
             "eager": module,
             "fx_graph_module": torch_stage.streams.fx.MultiStreamPass(num_streams=4).trace(module),

@@ -196,6 +196,12 @@ def bench_models(device, batch, iters, inductor, rounds=5):
                     "streams_used": len(plan.streams_used),
                     "events": len(plan.events),
                     "waits": len(plan.waits),
+                    # The pass's own model of the plan (host costs measured
+                    # here), and what it decided where the plan did not pay.
+                    "modelled_speedup": (
+                        round(plan.estimate.speedup, 3) if plan.estimate is not None else None
+                    ),
+                    "note": plan.note,
                 }
             )
             for fn in variants.values():  # warm-up (and compile, capture)

@@ -522,6 +522,12 @@ void init_streams(py::module_& m) {
       py::arg("side_streams"),
       py::arg("num_events"),
       py::arg("probes"));
+  // fn() with this thread's stream ops hidden from the observers
+  // (UnobservedStreamOps): the multi-stream pass's timing of its own calls.
+  m.def("_call_unobserved", [](const py::object& fn) {
+    UnobservedStreamOps unobserved;
+    return fn();
+  });
   // torch_stage.sanitize_streams: every stream op, from any caller, as
   // observer(op, owner, stream, event, streams, value, owner_thread).
   m.def(

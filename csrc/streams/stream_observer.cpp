@@ -11,6 +11,7 @@ namespace {
 
 std::atomic<bool> g_active{false};
 std::atomic<int64_t> g_next_id{1};
+thread_local int t_unobserved = 0;
 
 // Observers are swapped under the mutex and called through copies of the
 // pointers, so a concurrent uninstall never destroys one that is running.
@@ -49,7 +50,15 @@ void set_stream_observer(
 }
 
 bool stream_observer_active() {
-  return g_active.load(std::memory_order_acquire);
+  return g_active.load(std::memory_order_acquire) && t_unobserved == 0;
+}
+
+UnobservedStreamOps::UnobservedStreamOps() {
+  ++t_unobserved;
+}
+
+UnobservedStreamOps::~UnobservedStreamOps() {
+  --t_unobserved;
 }
 
 void notify_stream_op(const StreamOpNote& note) {

@@ -78,9 +78,23 @@ inline void set_stream_observer(
   set_stream_observer(StreamObserverSlot::kSanitizer, std::move(observer));
 }
 
-// True while any observer is installed: callers skip building notes
-// otherwise (one atomic load).
+// True while any observer is installed and the calling thread is not inside
+// an UnobservedStreamOps: callers skip building notes otherwise (one atomic
+// load and one thread-local read).
 bool stream_observer_active();
+
+// While one lives on a thread, that thread's stream operations are not sent
+// to the observers. Only for runs that are torch_stage's own and touch no
+// user tensor: the multi-stream pass times its calls with them, and a
+// sanitizer or trace must neither see those runs nor make them slower.
+// Nests; must be destroyed on the thread that made it.
+class UnobservedStreamOps {
+ public:
+  UnobservedStreamOps();
+  ~UnobservedStreamOps();
+  UnobservedStreamOps(const UnobservedStreamOps&) = delete;
+  UnobservedStreamOps& operator=(const UnobservedStreamOps&) = delete;
+};
 
 // Sends `note` to the installed observers.
 void notify_stream_op(const StreamOpNote& note);

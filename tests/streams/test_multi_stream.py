@@ -87,7 +87,7 @@ def test_chains_get_one_stream_and_no_events(verified, name):
 
 
 def test_inception_branches_get_a_stream_each(verified):
-    gm = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4)
+    gm = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4, strategy="min_sync")
     plan = gm.stream_plan
     assert plan.strategy == "min_sync"
     assert plan.streams_used == [0, 1, 2, 3]
@@ -97,6 +97,19 @@ def test_inception_branches_get_a_stream_each(verified):
     assert len(plan.events) == 3 and len(plan.waits) == 3
     assert [w.node for w in plan.waits] == ["cat"] * 3
     assert plan.join == []
+
+
+def test_by_default_a_branch_that_ends_before_the_longest_shares_a_stream(verified):
+    # Without shapes every kernel costs alike: the two-conv branch and b1
+    # together end before the three-conv branch, so a stream of their own
+    # would only add calls.
+    plan = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4).stream_plan
+    assert plan.strategy == "min_sync"
+    assert plan.assignment["b1"] == plan.assignment["b2"] == 0
+    assert len({plan.assignment[n] for n in ("b1", "b3_b", "b4")}) == 3
+    assert plan.note.startswith("side streams merged where their calls cost more than")
+    assert plan.estimate.pays
+    assert [w.node for w in plan.waits] == ["cat"] * 2
 
 
 def test_rec_model_puts_each_lookup_on_a_stream_round_robin(verified):

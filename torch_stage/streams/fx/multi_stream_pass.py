@@ -53,6 +53,14 @@ from torch_stage.streams.fx.annotate import (
     examples_by_position,
 )
 from torch_stage.streams.fx.classify import HOST_META
+from torch_stage.streams.fx.host_cost import (
+    HostCosts,
+    device_costs,
+    device_of,
+    estimate,
+    host_costs,
+    paying_plan,
+)
 from torch_stage.streams.fx.stream_plan import StreamPlan, plan
 from torch_stage.streams.fx.writer import PlanWriter
 
@@ -313,7 +321,28 @@ class MultiStreamPass:
             self.num_streams,
             graph=graph,
         )
-        stream_plan, raw = plan(analysis, self.strategy, self.verify)
+        # Replayed from CUDA graphs, the calls cost the host nothing.
+        host = (
+            HostCosts.free()
+            if self.cuda_graphs
+            else host_costs(device_of(graph_module, self._inputs_of(graph_module)))
+        )
+        # The scheduler's costs are device microseconds only when known; a
+        # dependency then costs a branch what its calls cost the host.
+        sync_cost = host.dependency_us if analysis.costs_known else 0.0
+        stream_plan, raw = plan(analysis, self.strategy, self.verify, sync_cost)
+        if raw["fork"]:
+            if self.strategy == "auto" and all(f < 0 for f in analysis.fixed):
+                # What a user gets by default is never slower than one
+                # stream; a strategy or streams asked for are kept as asked.
+                stream_plan, raw = paying_plan(analysis, stream_plan, raw, host, self.verify)
+            else:
+                stream_plan.estimate = estimate(
+                    device_costs(analysis.costs, analysis.costs_known),
+                    list(analysis.edges),
+                    raw,
+                    host,
+                )
         if raw["fork"]:
             _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
             graph.lint()

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -52,7 +52,11 @@ class StreamPlan:
         cross_stream_edges: dependencies between nodes on different streams
             (each is ordered by a wait, directly or through earlier ones).
         note: what became of the plan where it did not run as planned (the
-            compile backend on a device without streams), else empty.
+            compile backend on a device without streams; a plan that did
+            not pay, run on one stream), else empty.
+        estimate: the plan's modelled time against one stream's
+            (:class:`torch_stage.streams.fx.host_cost.Estimate`), for plans
+            of :func:`torch_stage.multi_stream` that fork; else None.
     """
 
     strategy: str
@@ -69,6 +73,23 @@ class StreamPlan:
     chains: int = 0
     groups: int = 0
     note: str = ""
+    estimate: Optional[Any] = None
+
+    def declined(self, note: str) -> StreamPlan:
+        """This plan, declined: every node on stream 0, no stream work, and
+        ``note`` saying why (the estimate is kept)."""
+        return replace(
+            self,
+            assignment={name: 0 for name in self.assignment},
+            events=[],
+            waits=[],
+            keeps=[],
+            fork=[],
+            join=[],
+            constants={},
+            cross_stream_edges=0,
+            note=note,
+        )
 
     @property
     def streams_used(self) -> List[int]:
@@ -110,13 +131,19 @@ class StreamPlan:
 
 
 def plan(
-    analysis: Any, strategy: str, verify: bool = False, sync_cost: float = 0.0
+    analysis: Any,
+    strategy: str,
+    verify: bool = False,
+    sync_cost: float = 0.0,
+    fixed: Optional[List[int]] = None,
 ) -> Tuple[StreamPlan, dict]:
     """Plan the analysed graph with the C++ scheduler.
 
     ``sync_cost``: what an event between two streams costs, in the costs'
     unit; ``critical_path`` moves work off its producers' stream only where
-    it starts earlier even so (``csrc/schedule/strategies.h``).
+    it starts earlier even so (``csrc/schedule/strategies.h``). ``fixed``:
+    streams per device node (-1: free) in place of the annotations'
+    (``analysis.fixed``).
 
     Returns the :class:`StreamPlan` and the raw plan (per device node, by
     position in ``analysis.device_nodes``) the rewrite works from.
@@ -129,7 +156,7 @@ def plan(
         [v for (_, v), _ in edges],
         [kind for _, kind in edges],
         [float(c) for c in analysis.costs],
-        analysis.fixed,
+        analysis.fixed if fixed is None else fixed,
         analysis.colocation,
         analysis.embedding_group,
         strategy,

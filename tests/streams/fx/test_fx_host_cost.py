@@ -1,0 +1,204 @@
+"""A plan that cannot pay for its stream calls runs on one stream."""
+
+import pytest
+import torch
+from torch import nn
+
+import torch_stage
+from torch_stage import _C
+from torch_stage.streams.fx import host_cost
+from torch_stage.streams.fx.host_cost import HostCosts, host_costs, planning_with
+from torch_stage.streams.fx.multi_stream_pass import MultiStreamGraphModule
+
+# Host costs of a GPU's order (a launch of a few microseconds, an event call
+# of one or two), given rather than measured so that the plans below do not
+# depend on this machine.
+GPU_LIKE = HostCosts(
+    launch_us=6.0, fork_join_us=4.0, sync_us=2.0, record_us=1.5, wait_us=1.5, keep_us=0.5
+)
+
+
+class Branches(nn.Module):
+    """Independent linear branches summed: all parallel work."""
+
+    def __init__(self, width: int, branches: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(branches))
+
+    def forward(self, x):
+        out = self.layers[0](x).relu()
+        for layer in self.layers[1:]:
+            out = out + layer(x).relu()
+        return out
+
+
+def _plan(module, x, **kwargs):
+    return torch_stage.multi_stream(module, num_streams=4, example_inputs=(x,), **kwargs)
+
+
+def test_small_branches_that_cannot_pay_run_on_one_stream_and_say_why():
+    module = Branches(32)
+    x = torch.randn(1, 32)
+    with planning_with(GPU_LIKE):
+        ms = _plan(module, x)
+    plan = ms.stream_plan
+    assert plan.streams_used == [0]
+    assert plan.events == [] and plan.waits == [] and plan.fork == []
+    assert plan.note.startswith("runs on one stream: the plan does not pay")
+    assert plan.estimate is not None and not plan.estimate.pays
+    assert plan.estimate.speedup < 1.0
+    assert f"({plan.estimate.speedup:.2f}x)" in plan.note
+    assert f"note: {plan.note}" in str(plan)
+    assert "torch_stage" not in ms.code
+    assert not isinstance(ms, MultiStreamGraphModule)
+    assert torch.equal(ms(x), module(x))
+
+
+def test_branches_with_kernels_worth_overlapping_keep_their_streams():
+    module = Branches(1024)
+    x = torch.randn(512, 1024)
+    with planning_with(GPU_LIKE):
+        ms = _plan(module, x)
+    plan = ms.stream_plan
+    assert plan.streams_used == [0, 1, 2, 3]
+    assert plan.note == ""
+    assert plan.estimate.pays and plan.estimate.speedup > 1.5
+    assert "torch_stage" in ms.code
+    with torch.no_grad():
+        assert torch.equal(ms(x), module(x))
+
+
+class _Deep(nn.Module):
+    """Four independent branches of six elementwise ops each."""
+
+    def forward(self, x):
+        out = []
+        for k in range(4):
+            y = x + k
+            for _ in range(5):
+                y = torch.sin(y)
+            out.append(y)
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("launches, pays", [(0.5, False), (1000.0, True)])
+def test_the_decision_weighs_host_costs_measured_here(launches, pays):
+    # A cost model in device microseconds: kernels shorter than a launch
+    # measured here (the host then runs behind the device and every call
+    # is lost time), or far longer (the calls hide behind the kernels).
+    measured = host_costs("cpu")
+    device_us = launches * measured.launch_us
+    x = torch.randn(2, 16)
+    ms = _plan(_Deep(), x, cost_model=lambda node: device_us)
+    plan = ms.stream_plan
+    assert plan.estimate.host is measured
+    assert plan.estimate.pays is pays
+    assert (plan.streams_used == [0]) is not pays
+    if not pays:
+        assert "measured on cpu" in plan.note
+    assert torch.equal(ms(x), _Deep()(x))
+
+
+@pytest.mark.parametrize("strategy", ["critical_path", "min_sync"])
+def test_an_explicit_strategy_keeps_a_plan_that_does_not_pay(strategy):
+    module = Branches(32)
+    x = torch.randn(1, 32)
+    with planning_with(GPU_LIKE):
+        ms = _plan(module, x, strategy=strategy)
+    plan = ms.stream_plan
+    assert len(plan.streams_used) > 1
+    assert not plan.estimate.pays
+    assert plan.note == ""  # what was asked for, with its estimate to read
+
+
+class _Annotated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch_stage.stream(1):
+            y = self.b(x)
+        return self.a(x) + y
+
+
+def test_streams_the_model_asks_for_are_kept():
+    x = torch.randn(1, 8)
+    with planning_with(GPU_LIKE):
+        ms = _plan(_Annotated(), x)
+    assert ms.stream_plan.streams_used == [0, 1]
+    assert not ms.stream_plan.estimate.pays
+
+
+class _BigAndSmall(nn.Module):
+    """Two large branches and a small one off the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        small = x * 2.0
+        return self.a(x) + self.b(x) + small
+
+
+def test_a_branch_too_small_to_pay_for_its_events_stays_on_its_parents_stream():
+    x = torch.randn(256, 1024)
+    with planning_with(HostCosts.free()):
+        free = _plan(_BigAndSmall(), x).stream_plan
+    with planning_with(GPU_LIKE):
+        paid = _plan(_BigAndSmall(), x).stream_plan
+    # Free events: the small op goes wherever it starts first, off stream 0.
+    assert free.assignment["mul"] != 0
+    # Paid: it stays on stream 0 (the input's), the large branches split.
+    assert paid.assignment["mul"] == 0
+    assert paid.assignment["a"] != paid.assignment["b"]
+    assert paid.estimate.pays
+
+
+def test_host_costs_are_measured_once_per_device_and_process():
+    first = host_costs("cpu")
+    assert host_costs(torch.device("cpu")) is first
+    assert first.device == "cpu"
+    assert first.launch_us > 0 and first.fork_join_us > 0
+    for name in ("sync_us", "record_us", "wait_us", "keep_us"):
+        assert getattr(first, name) >= 0
+    with planning_with(GPU_LIKE):
+        assert host_costs("cpu") is GPU_LIKE
+    assert host_costs("cpu") is first
+
+
+@pytest.mark.own_sanitizer
+def test_measuring_is_hidden_from_the_sanitizer_and_the_trace():
+    # The timing runs are torch_stage's own: an observer that saw them would
+    # report runs the user never made, and make them look dearer.
+    notes = []
+    _C._set_stream_observer(lambda op, *rest: notes.append(op))
+    try:
+        host_cost._measure(torch.device("cpu"))
+        assert notes == []
+        run = torch_stage.streams.fx._ops.fork(2, [1], 0, (torch.ones(1),))
+        torch_stage.streams.fx._ops.join(run, [1])
+        assert notes == ["fork", "join"]  # the observer works: the test can fail
+    finally:
+        _C._set_stream_observer(None)
+
+
+def test_host_costs_must_be_numbers_at_least_zero():
+    with pytest.raises(ValueError, match=r"HostCosts.sync_us must be a number >= 0, got -1"):
+        HostCosts(1.0, 1.0, -1, 1.0, 1.0, 1.0)
+    with pytest.raises(TypeError, match="planning_with needs HostCosts, got dict"):
+        with planning_with({}):
+            pass
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_charge_no_host_calls():
+    module = Branches(32).cuda()
+    x = torch.randn(1, 32, device="cuda")
+    with planning_with(GPU_LIKE):
+        ms = _plan(module, x, cuda_graphs=True)
+    assert ms.stream_plan.streams_used == [0, 1, 2, 3]
+    assert ms.stream_plan.estimate.calls_us == 0.0

@@ -1,0 +1,425 @@
+"""Whether a stream plan pays: what its calls cost the host, measured, against
+the device time its streams can overlap.
+
+A multi-stream forward adds host work (fork, a sync before each node that
+changes stream or waits, a record after each producer another stream needs,
+a ``record_stream`` per tensor kept, join) to win device time (kernels of
+independent branches running side by side). Where kernels are small, as at
+batch size 1, the device already waits for the host, so every added call is
+lost time: on an H200 such plans ran at 0.56x of one stream.
+
+:func:`estimate` replays a rewritten graph on a two-clock model:
+
+* the host issues the nodes in graph order: :attr:`HostCosts.launch_us` per
+  node that launches work, plus what each stream call costs;
+* a node's kernel starts when it is issued, its stream is free and its
+  inputs are done, and runs for its cost (the cost model's microseconds of
+  device time);
+* the forward ends when the host is done and every stream is idle.
+
+The same replay on one stream, without the calls, is what the plan competes
+with. Host costs are measured once per device and process
+(:func:`host_costs`); device times come from the cost model. On a CPU, where
+streams run nothing side by side, this decides for the nominal accelerator
+the cost model describes, with the calls' cost measured here: the plan a CPU
+run checks is the plan that device would get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from torch_stage import _C
+from torch_stage.streams.fx import _ops
+from torch_stage.streams.fx.cost_model import LAUNCH_US
+from torch_stage.streams.fx.stream_plan import plan
+
+__all__ = [
+    "Estimate",
+    "HostCosts",
+    "device_costs",
+    "device_of",
+    "estimate",
+    "host_costs",
+    "paying_plan",
+    "planning_with",
+]
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Host microseconds of the calls a rewritten forward makes, on one device.
+
+    Attributes:
+        launch_us: issuing one small op on the device (what each node of the
+            graph costs the host, with or without streams).
+        fork_join_us: one ``fork`` and its ``join``: once per forward.
+        sync_us: a ``sync`` that switches stream, without waits or keeps.
+        record_us: recording one event.
+        wait_us: one event waited on inside a ``sync``.
+        keep_us: one tensor marked used on a stream (``record_stream``).
+        device: where they were measured (``"given"`` when not measured).
+    """
+
+    launch_us: float
+    fork_join_us: float
+    sync_us: float
+    record_us: float
+    wait_us: float
+    keep_us: float
+    device: str = "given"
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.name == "device":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"HostCosts.{f.name} must be a number >= 0, got {value!r}")
+
+    @classmethod
+    def free(cls) -> HostCosts:
+        """Calls that cost nothing: a plan pays wherever streams overlap
+        kernels (what replaying CUDA graphs approaches)."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    @property
+    def dependency_us(self) -> float:
+        """One dependency between two streams: a record, a sync and a wait."""
+        return self.record_us + self.sync_us + self.wait_us
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A plan's modelled time per forward against one stream's.
+
+    Attributes:
+        one_stream_us: the graph on one stream, without stream calls.
+        planned_us: the graph as planned, with its calls.
+        calls_us: host time of the calls the plan adds.
+        calls: how many calls it adds.
+        host: the host costs used.
+    """
+
+    one_stream_us: float
+    planned_us: float
+    calls_us: float
+    calls: int
+    host: HostCosts
+
+    @property
+    def speedup(self) -> float:
+        """``one_stream_us / planned_us`` (above 1: the plan is faster)."""
+        return self.one_stream_us / self.planned_us if self.planned_us > 0 else 1.0
+
+    @property
+    def pays(self) -> bool:
+        return self.planned_us < self.one_stream_us
+
+    def __str__(self) -> str:
+        return (
+            f"modelled {self.planned_us:.1f} us per forward on streams against "
+            f"{self.one_stream_us:.1f} us on one ({self.speedup:.2f}x), "
+            f"{self.calls} stream calls costing {self.calls_us:.1f} us of host time "
+            f"(measured on {self.host.device})"
+        )
+
+
+# -- measuring ------------------------------------------------------------
+
+_lock = threading.Lock()
+_measured: Dict[str, HostCosts] = {}
+_given: List[HostCosts] = []  # planning_with's stack
+
+
+@contextlib.contextmanager
+def planning_with(costs: HostCosts) -> Iterator[HostCosts]:
+    """Plans made inside use ``costs`` instead of measured host costs: to
+    plan for a device measured elsewhere, or to make plans that do not
+    depend on this machine's timing (the tests'). Process-wide while open."""
+    if not isinstance(costs, HostCosts):
+        raise TypeError(f"planning_with needs HostCosts, got {type(costs).__name__}")
+    with _lock:
+        _given.append(costs)
+    try:
+        yield costs
+    finally:
+        with _lock:
+            _given.remove(costs)
+
+
+def host_costs(device: Any = "cpu") -> HostCosts:
+    """The host costs of the stream calls on ``device``: those given to an
+    open :func:`planning_with`, else measured on the first call for that
+    device in this process (a few milliseconds) and kept."""
+    with _lock:
+        if _given:
+            return _given[-1]
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.empty(0, device=device).device.index)
+    key = str(device)
+    with _lock:
+        found = _measured.get(key)
+    if found is None:
+        found = _measure(device)
+        with _lock:
+            found = _measured.setdefault(key, found)
+    return found
+
+
+def _per_call(fn, calls: int, rounds: int = 7) -> float:
+    """Microseconds per call of ``fn`` (which makes ``calls`` calls): the
+    median of ``rounds`` timings, after one unmeasured round."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6 / calls
+
+
+def _measure(device: torch.device) -> HostCosts:
+    # Unobserved, and outside any dispatch mode: a sanitizer or a trace
+    # that is on while planning must neither see these runs nor make the
+    # calls look dearer than they are for the plans it checks.
+    with _disable_current_modes():
+        return _C._call_unobserved(lambda: _timings(device))
+
+
+def _timings(device: torch.device) -> HostCosts:
+    x = torch.ones(1, device=device)
+    probes = (x,)
+    n = 64  # calls per timing
+
+    def fork_join():
+        for _ in range(n):
+            _ops.join(_ops.fork(2, [1], 0, probes), [1])
+
+    def switching(keep=None):
+        def body():
+            run = _ops.fork(2, [1], 0, probes)
+            for i in range(n):
+                _ops.sync(run, -1, 1 - i % 2, [], keep)
+            _ops.join(run, [1])
+
+        return body
+
+    def recording():
+        run = _ops.fork(2, [1], n, probes)
+        for i in range(n):
+            _ops.record_event(run, i, 0)
+        _ops.join(run, [1])
+
+    def waiting():
+        run = _ops.fork(2, [1], n, probes)
+        for i in range(n):
+            _ops.record_event(run, i, i % 2)
+            _ops.sync(run, -1, 1 - i % 2, [i], None)
+        _ops.join(run, [1])
+
+    def launching():
+        for _ in range(n):
+            torch.neg(x)
+
+    fj = _per_call(fork_join, n)
+    base = fj / n  # each body below holds one fork and join besides its calls
+    sync = max(0.0, _per_call(switching(), n) - base)
+    record = max(0.0, _per_call(recording, n) - base)
+    wait = max(0.0, _per_call(waiting, n) - base - sync - record)
+    keep = max(0.0, _per_call(switching(probes), n) - base - sync)
+    launch = _per_call(launching, n)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return HostCosts(launch, fj, sync, record, wait, keep, device=str(device))
+
+
+def device_of(module: torch.nn.Module, example_inputs: Optional[Sequence[Any]]) -> torch.device:
+    """The device a plan is made for: its first example tensor's, else its
+    module's first parameter's or buffer's, else the CPU."""
+    from torch_stage.streams.fx._example import tensors_in
+
+    for t in tensors_in(tuple(example_inputs or ())):
+        return t.device
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+# -- the model ------------------------------------------------------------
+
+
+def estimate(
+    costs_us: Sequence[float],
+    edges: Sequence[tuple],
+    raw: Mapping[str, Any],
+    host: HostCosts,
+) -> Estimate:
+    """Replay a plan on the model of the module doc, and the same nodes on
+    one stream without calls.
+
+    Args:
+        costs_us: device microseconds per device node, in graph order.
+        edges: ``(u, v)`` index pairs: ``v`` needs ``u`` done first.
+        raw: the scheduler's plan (:func:`~torch_stage.streams.fx.stream_plan.plan`):
+            ``stream``, ``event`` (recorded after each node, or -1),
+            ``wait_node``, ``keep_node``, ``fork``.
+        host: what the calls cost.
+
+    The calls are counted as the rewrite makes them (see
+    :mod:`~torch_stage.streams.fx.multi_stream_pass`): a sync before a node
+    that changes stream, waits or keeps, carrying the record of the node
+    before it; a record of its own otherwise; fork and join. What the
+    rewrite adds beyond the plan (forward's inputs marked on the side
+    streams that read them, constants made again per stream) is left out.
+    """
+    count = len(costs_us)
+    preds: List[List[int]] = [[] for _ in range(count)]
+    for u, v in edges:
+        preds[v].append(u)
+    one = _replay([(i, 0) for i in range(count)], preds, costs_us, host)
+    if not raw["fork"] and not any(raw["stream"]):
+        return Estimate(one, one, 0.0, 0, host)
+    waits = [0] * count
+    for node in raw["wait_node"]:
+        waits[node] += 1
+    keeps = [0] * count
+    for node in raw["keep_node"]:
+        keeps[node] += 1
+    stream, event = raw["stream"], raw["event"]
+    calls, calls_us = 1, host.fork_join_us
+    steps: List[tuple] = [(None, host.fork_join_us)]
+    current, pending = 0, False
+
+    def call(us: float) -> None:
+        nonlocal calls, calls_us
+        calls += 1
+        calls_us += us
+        steps.append((None, us))
+
+    for i in range(count):
+        if stream[i] != current or waits[i] or keeps[i]:
+            call(
+                host.sync_us
+                + (host.record_us if pending else 0.0)
+                + host.wait_us * waits[i]
+                + host.keep_us * keeps[i]
+            )
+            current = stream[i]
+        elif pending:
+            call(host.record_us)
+        pending = event[i] >= 0
+        steps.append((i, stream[i]))
+    if current != 0:
+        call(host.sync_us + (host.record_us if pending else 0.0))
+    elif pending:
+        call(host.record_us)
+    planned = _replay(steps, preds, costs_us, host)
+    return Estimate(one, planned, calls_us, calls, host)
+
+
+def _replay(steps, preds, costs_us, host: HostCosts) -> float:
+    """Host clock and per-stream device clocks over ``steps``: ``(node,
+    stream)`` for a device node, ``(None, host_us)`` for a call."""
+    now = 0.0
+    free: Dict[int, float] = {}
+    finish = [0.0] * len(costs_us)
+    for node, value in steps:
+        if node is None:
+            now += value
+            continue
+        cost = costs_us[node]
+        if cost > 0:
+            now += host.launch_us
+        start = max([now, free.get(value, 0.0)] + [finish[u] for u in preds[node]])
+        finish[node] = start + cost
+        free[value] = finish[node]
+    return max([now] + list(free.values()))
+
+
+def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, verify: bool):
+    """``stream_plan`` made to pay, or declined: each side stream whose
+    work saves less than its calls cost the host (by :func:`estimate`) is
+    merged into the stream it forks from, least work first, while that
+    makes the forward faster; then, if the plan is still slower than one
+    stream, it is declined (every node on stream 0, a note saying why).
+
+    Returns the plan and its raw form, with ``estimate`` set.
+    """
+    costs_us = device_costs(analysis.costs, analysis.costs_known)
+    edges = list(analysis.edges)
+    first = best = estimate(costs_us, edges, raw, host)
+    merged: List[str] = []
+    while raw["fork"]:
+        for side in _side_streams_by_work(raw["stream"], costs_us):
+            parent = _parent_stream(side, raw["stream"], edges)
+            streams = [parent if s == side else s for s in raw["stream"]]
+            tried, tried_raw = plan(analysis, "user", verify, fixed=streams)
+            found = estimate(costs_us, edges, tried_raw, host)
+            if found.planned_us < best.planned_us:
+                merged.append(f"{side} into {parent}")
+                stream_plan = replace(
+                    tried,
+                    strategy=stream_plan.strategy,
+                    reason=stream_plan.reason,
+                    chains=stream_plan.chains,
+                    groups=stream_plan.groups,
+                )
+                raw, best = tried_raw, found
+                break
+        else:
+            break
+    if not raw["fork"] or not best.pays:
+        # (Said of the whole plan: merging ends on one stream where it
+        # cannot pay with fewer streams either.)
+        stream_plan.estimate = first
+        return (
+            stream_plan.declined(
+                f"runs on one stream: the plan does not pay, {first}; "
+                "an explicit strategy= keeps it"
+            ),
+            {"fork": []},
+        )
+    stream_plan.estimate = best
+    if merged:
+        stream_plan.note = (
+            f"side streams merged where their calls cost more than they save: {', '.join(merged)}"
+        )
+    return stream_plan, raw
+
+
+def _side_streams_by_work(stream: Sequence[int], costs_us: Sequence[float]) -> List[int]:
+    work: Dict[int, float] = {}
+    for s, c in zip(stream, costs_us):
+        if s != 0:
+            work[s] = work.get(s, 0.0) + c
+    return sorted(work, key=lambda s: (work[s], s))
+
+
+def _parent_stream(side: int, stream: Sequence[int], edges: Sequence[tuple]) -> int:
+    """The stream ``side``'s first cross-stream input comes from (0 if none:
+    it forks from the caller's)."""
+    for u, v in sorted(edges, key=lambda e: (e[1], e[0])):
+        if stream[v] == side and stream[u] != side:
+            return stream[u]
+    return 0
+
+
+def device_costs(costs: Sequence[float], costs_known: bool) -> List[float]:
+    """The scheduler's costs as device microseconds: as given when known
+    (the default model's and a ``cost_model``'s unit), else one launch per
+    node that launches work (without shapes, the least a kernel takes)."""
+    if costs_known:
+        return list(costs)
+    return [LAUNCH_US if c > 0 else 0.0 for c in costs]

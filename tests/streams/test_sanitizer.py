@@ -101,6 +101,41 @@ def test_a_write_after_a_read_on_another_stream_needs_a_wait(wait):
     assert [r.kind for r in sanitizer.races] == ([] if wait else ["write after read"])
 
 
+@pytest.mark.parametrize("raise_on_race", [False, True])
+def test_a_free_while_another_stream_still_reads_is_reported_at_the_free(raise_on_race):
+    # No allocation follows on the caller's stream while sanitized: the
+    # caching allocator may still hand the block to whatever allocates next.
+    def program():
+        x = torch.randn(64)
+        run = ops.fork(2, [1], 1, (x,))
+        t = x * 3  # allocated on the caller's stream
+        _ops.record_event(run, 0, 0)
+        _ops.set_stream(run, 1)
+        _ops.wait_event(run, 0, 1)
+        y = t.sum()  # read on stream 1
+        _ops.set_stream(run, 0)
+        del t  # the free that races with the read
+        _ops.join(run, [1])
+        return y
+
+    if raise_on_race:
+        with pytest.raises(torch_stage.StreamRaceError, match="free while in use"):
+            with torch_stage.sanitize_streams():
+                program()
+        return
+    with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
+        program()
+    assert [r.kind for r in sanitizer.races] == ["free while in use"]
+    race = sanitizer.races[0]
+    assert (race.current.op, race.current.stream) == ("free", "default")
+    assert (race.previous.op, race.previous.stream) == ("aten.sum.default", "pool1")
+    text = str(race)
+    assert "freed onto its allocation stream default" in text
+    assert "read by aten.sum.default on stream pool1 is not ordered before the free" in text
+    assert "no record_stream names stream pool1" in text
+    assert "del t  # the free that races with the read" in text  # where it was freed
+
+
 def test_two_unordered_writers_race():
     with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
         x = torch.zeros(8)
@@ -138,7 +173,8 @@ def test_a_temporary_read_on_a_side_stream_needs_record_stream(keep):
     if not keep:
         assert sanitizer.races[0].previous.op == "aten.sum.default"
         assert sanitizer.races[0].current.stream == "default"
-        assert sanitizer.races[0].current.op == "aten.add.Tensor"
+        # Reported at the free, before the allocation that may reuse it.
+        assert sanitizer.races[0].current.op == "free"
 
 
 def test_a_free_after_the_join_is_safe():

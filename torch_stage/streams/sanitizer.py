@@ -28,9 +28,15 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   stream (read after write, write after read, write after write) is a
   race. So is a free that the caching allocator could turn into one: a
   storage is freed onto the stream it was allocated on, and the next
-  allocation on that stream may be handed its memory; if an access on
-  another stream is not ordered before that allocation and no
-  ``record_stream`` names that stream, the allocation races with it.
+  allocation on that stream may be handed its memory, whatever its size.
+  A free onto the caller's stream (or any stream torch_stage does not
+  manage) while an access on another stream is not ordered before it and
+  no ``record_stream`` names that stream is the race, reported at the
+  free. On torch_stage's pool and staging streams, which allocate only
+  after a fork, scope or copy has ordered them after the caller's stream,
+  it is judged at their next allocation instead (a gradient made on a
+  pool stream by backward, read by the optimizer and freed by
+  ``zero_grad``, is ordered by the next forward's fork).
 * Autograd: a backward node runs on the stream that ran the forward op
   that made it (tagged in ``node.metadata`` when the op returns), as
   PyTorch's engine does on a GPU. The engine orders a node after the
@@ -43,8 +49,7 @@ stream semantics on the side, as PyTorch's CUDA sanitizer
   scripted code are tagged the same way.
 
 A race raises :class:`torch_stage.StreamRaceError` at the op that races
-(for a free, at the op after the allocation that may reuse the memory,
-or on exit), or, with
+(for a free, at the next op after it, or on exit), or, with
 ``raise_on_race=False``, is appended to :attr:`StreamSanitizer.races`.
 
 Scope: the model covers the threads that entered the sanitizer (each
@@ -79,6 +84,8 @@ from torch_stage.streams.fx.effects import understated_writes
 __all__ = ["StreamAccess", "StreamRace", "StreamSanitizer", "sanitize_streams"]
 
 DEFAULT_STREAM = "default"
+# Logical streams torch_stage manages: pool streams and staging streams.
+_MANAGED_STREAMS = ("pool", "staging")
 
 _Clock = Dict[str, int]
 _ASSIGNED = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
@@ -138,9 +145,11 @@ class StreamRace:
             since).
         shape: the shape of the tensor of the current access.
         previous: the earlier access.
-        current: the access that is not ordered after it (for a free: the
-            next allocation on the storage's allocation stream, which may
-            be handed the memory).
+        current: the access that is not ordered after it; for a race
+            with a free, the free itself (``op == "free"``, with the stack
+            of the line that dropped the last reference), or, on a pool or
+            staging stream, the next allocation there, which may be handed
+            the memory.
     """
 
     kind: str
@@ -156,7 +165,16 @@ class StreamRace:
             f"  {self.current.describe()}",
             f"  is not ordered after the {self.previous.describe()}.",
         ]
-        if self.kind == "free while in use":
+        if self.kind == "free while in use" and self.current.op == "free":
+            lines[1] = (
+                f"  the memory was freed onto its allocation stream {self.current.stream}, "
+                "whose next allocation may be handed it,"
+            )
+            lines[2] = (
+                f"  while the {self.previous.describe()} is not ordered before the free "
+                f"and no record_stream names stream {self.previous.stream}."
+            )
+        elif self.kind == "free while in use":
             lines[1] = (
                 f"  the memory was freed onto its allocation stream {self.current.stream}, "
                 f"whose next allocation ({self.current.op}) may reuse it,"
@@ -168,7 +186,8 @@ class StreamRace:
         for title, access in (("current", self.current), ("previous", self.previous)):
             stack = access.stack()
             if stack:
-                lines.append(f"  stack of the {title} access:\n{stack}")
+                what = "free" if access.op == "free" else f"{title} access"
+                lines.append(f"  stack of the {what}:\n{stack}")
         return "\n".join(lines)
 
 
@@ -532,10 +551,25 @@ class StreamSanitizer(TorchDispatchMode):
                 and a.stream not in state.recorded
                 and not self._ordered(a, alloc)
             ]
-            if pending:
-                # The caching allocator hands the block to a later allocation
-                # on `alloc`: judged then, against that allocation's clock.
+            if not pending:
+                return
+            if alloc.startswith(_MANAGED_STREAMS):
+                # torch_stage's own streams allocate only after a fork, a
+                # scope or a staging copy has ordered them after the
+                # caller's stream, which a later wait may order after the
+                # access too (backward's gradients, read by the optimizer
+                # and freed by zero_grad, are): judged at the next
+                # allocation on `alloc`, against its clock.
                 self._freed.setdefault(alloc, []).append((key, state.shape, pending))
+                return
+            # Any stream else (the caller's, a user's) may allocate next,
+            # whatever the program does then: the block is the next
+            # allocation's as of now, so the free is the race.
+            node, frames = self._where()
+            seq = self._clock(alloc).get(alloc, 0)
+            free = StreamAccess(alloc, seq, "free", node, True, frames)
+            race = StreamRace("free while in use", key, state.shape, pending[0], free)
+            self._report(race, now=False)
 
     def _check_reuse(self, stream: str, allocation: StreamAccess) -> None:
         """A fresh allocation on ``stream`` may get any block freed onto it."""

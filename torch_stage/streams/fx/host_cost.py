@@ -8,7 +8,8 @@ independent branches running side by side). Where kernels are small, as at
 batch size 1, the device already waits for the host, so every added call is
 lost time: on an H200 such plans ran at 0.56x of one stream.
 
-:func:`estimate` replays a rewritten graph on a two-clock model:
+:func:`estimate` replays a plan, with the calls the rewrite would add, on
+a two-clock model:
 
 * the host issues the nodes in graph order: :attr:`HostCosts.launch_us` per
   node that launches work, plus what each stream call costs;
@@ -18,16 +19,21 @@ lost time: on an H200 such plans ran at 0.56x of one stream.
 * the forward ends when the host is done and every stream is idle.
 
 The same replay on one stream, without the calls, is what the plan competes
-with. Host costs are measured once per device and process
+with. :func:`paying_plan` merges side streams that do not pay for their
+calls into the stream they fork from and declines a plan that still loses.
+Host costs are measured once per device and process
 (:func:`host_costs`); device times come from the cost model. On a CPU, where
-streams run nothing side by side, this decides for the nominal accelerator
-the cost model describes, with the calls' cost measured here: the plan a CPU
-run checks is the plan that device would get.
+streams run nothing side by side, the kernels are the nominal accelerator's
+of the cost model and the calls are the CPU's, far cheaper than a GPU's
+(about 0.1 against a few microseconds): a CPU keeps plans a GPU would
+decline. :func:`planning_with` plans with another device's costs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import statistics
 import threading
 import time
@@ -82,8 +88,16 @@ class HostCosts:
             if f.name == "device":
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"HostCosts.{f.name} must be a number >= 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(
+                    f"HostCosts.{f.name} must be a finite number >= 0 (microseconds), got {value!r}"
+                )
+            object.__setattr__(self, f.name, float(value))
 
     @classmethod
     def free(cls) -> HostCosts:
@@ -125,11 +139,16 @@ class Estimate:
         return self.planned_us < self.one_stream_us
 
     def __str__(self) -> str:
+        where = (
+            "given host costs"
+            if self.host.device == "given"
+            else f"host costs measured on {self.host.device}"
+        )
         return (
-            f"modelled {self.planned_us:.1f} us per forward on streams against "
-            f"{self.one_stream_us:.1f} us on one ({self.speedup:.2f}x), "
-            f"{self.calls} stream calls costing {self.calls_us:.1f} us of host time "
-            f"(measured on {self.host.device})"
+            f"modelled {self.planned_us:.4g} us per forward on streams against "
+            f"{self.one_stream_us:.4g} us on one ({self.speedup:.2f}x), "
+            f"{self.calls} stream calls costing {self.calls_us:.4g} us of host time "
+            f"({where})"
         )
 
 
@@ -164,8 +183,19 @@ def host_costs(device: Any = "cpu") -> HostCosts:
         if _given:
             return _given[-1]
     device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, torch.empty(0, device=device).device.index)
+    if device.type in ("cpu", "meta"):
+        # No streams and no launches of their own: a model on meta is
+        # planned for the host it will be made on.
+        device = torch.device("cpu")
+    elif device.index is None:
+        try:
+            device = torch.device(device.type, torch.empty(0, device=device).device.index)
+        except (RuntimeError, AssertionError) as exc:
+            raise RuntimeError(
+                f"cannot measure the stream calls' host costs on {device}: torch cannot "
+                f"make a tensor there ({str(exc).splitlines()[0]}); plan on a device "
+                "this process can use, or give the costs with planning_with(HostCosts(...))"
+            ) from None
     key = str(device)
     with _lock:
         found = _measured.get(key)
@@ -189,10 +219,11 @@ def _per_call(fn, calls: int, rounds: int = 7) -> float:
 
 
 def _measure(device: torch.device) -> HostCosts:
-    # Unobserved, and outside any dispatch mode: a sanitizer or a trace
-    # that is on while planning must neither see these runs nor make the
-    # calls look dearer than they are for the plans it checks.
-    with _disable_current_modes():
+    # Unobserved, and outside any dispatch or function mode: a sanitizer, a
+    # trace or a `with torch.device(...)` that is on while planning must
+    # neither see these runs nor make the calls look dearer than they are
+    # (the figures are kept for the process).
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
         return _C._call_unobserved(lambda: _timings(device))
 
 
@@ -298,7 +329,7 @@ def estimate(
     for node in raw["keep_node"]:
         keeps[node] += 1
     stream, event = raw["stream"], raw["event"]
-    calls, calls_us = 1, host.fork_join_us
+    calls, calls_us = 2, host.fork_join_us  # fork and join
     steps: List[tuple] = [(None, host.fork_join_us)]
     current, pending = 0, False
 
@@ -384,10 +415,16 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
         # (Said of the whole plan: merging ends on one stream where it
         # cannot pay with fewer streams either.)
         stream_plan.estimate = first
+        hint = (
+            ""
+            if analysis.costs_known
+            else " (without shapes each kernel counts as one launch: example_inputs "
+            "give the real sizes)"
+        )
         return (
             stream_plan.declined(
-                f"runs on one stream: the plan does not pay, {first}; "
-                "an explicit strategy= keeps it"
+                f"runs on one stream: the plan does not pay, {first}{hint}; "
+                f'strategy="{stream_plan.strategy}" keeps it'
             ),
             {"fork": []},
         )

@@ -164,9 +164,13 @@ class MultiStreamPass:
         if self.example_kwargs:
             bind_examples(module, self.example_inputs, self.example_kwargs)  # fails here, if at all
         traced = self.trace(module)
-        result = self.call(traced)
+        host = self.host_costs_for(traced)
+        result = self.rewrite(traced, host)
+        if self.cuda_graphs:
+            result = CUDAGraphModule(result, warmup=self.warmup)
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
-            result._mode_source = _ModeSource(self, module, traced.code)
+            # A plan for the other training mode weighs the same host costs.
+            result._mode_source = _ModeSource(self, module, traced.code, host)
         guard = _ExampleCallGuard.of(module, traced, self.example_inputs, self.example_kwargs)
         if guard is not None and isinstance(result, _GraphModule):
             # An attribute its __call__ checks, not a hook: a GraphModule's
@@ -303,6 +307,14 @@ class MultiStreamPass:
             return tuple(tree_flatten_spec((self.example_inputs, kwargs), in_spec))
         return self._inputs_by_position(graph_module)
 
+    def host_costs_for(self, graph_module: torch.nn.Module) -> HostCosts:
+        """What the stream calls cost the host where ``graph_module`` runs:
+        nothing when replayed from CUDA graphs, else measured on its
+        examples' (or parameters') device."""
+        if self.cuda_graphs:
+            return HostCosts.free()
+        return host_costs(device_of(graph_module, self._inputs_of(graph_module)))
+
     def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
         """Plan ``graph_module`` and return the rewritten copy (wrapped in a
         :class:`torch_stage.CUDAGraphModule` when ``cuda_graphs`` is set)."""
@@ -311,8 +323,14 @@ class MultiStreamPass:
             return CUDAGraphModule(result, warmup=self.warmup)
         return result
 
-    def rewrite(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        """Plan ``graph_module`` and return the rewritten ``GraphModule``."""
+    def rewrite(
+        self, graph_module: torch.fx.GraphModule, host: Optional[HostCosts] = None
+    ) -> torch.fx.GraphModule:
+        """Plan ``graph_module`` and return the rewritten ``GraphModule``.
+
+        ``host``: the host costs of the stream calls (default: those of the
+        device the graph's examples or parameters are on,
+        :func:`~torch_stage.streams.fx.host_cost.host_costs`)."""
         graph = copy.deepcopy(graph_module.graph)
         analysis = GraphAnalysis(
             graph_module,
@@ -321,20 +339,17 @@ class MultiStreamPass:
             self.num_streams,
             graph=graph,
         )
-        # Replayed from CUDA graphs, the calls cost the host nothing.
-        host = (
-            HostCosts.free()
-            if self.cuda_graphs
-            else host_costs(device_of(graph_module, self._inputs_of(graph_module)))
-        )
+        if host is None:
+            host = self.host_costs_for(graph_module)
+        # What a user gets by default is never slower than one stream; a
+        # strategy or streams asked for are planned as asked.
+        checked = self.strategy == "auto" and all(f < 0 for f in analysis.fixed)
         # The scheduler's costs are device microseconds only when known; a
         # dependency then costs a branch what its calls cost the host.
-        sync_cost = host.dependency_us if analysis.costs_known else 0.0
+        sync_cost = host.dependency_us if checked and analysis.costs_known else 0.0
         stream_plan, raw = plan(analysis, self.strategy, self.verify, sync_cost)
         if raw["fork"]:
-            if self.strategy == "auto" and all(f < 0 for f in analysis.fixed):
-                # What a user gets by default is never slower than one
-                # stream; a strategy or streams asked for are kept as asked.
+            if checked:
                 stream_plan, raw = paying_plan(analysis, stream_plan, raw, host, self.verify)
             else:
                 stream_plan.estimate = estimate(
@@ -343,6 +358,10 @@ class MultiStreamPass:
                     raw,
                     host,
                 )
+                if not stream_plan.estimate.pays:
+                    stream_plan.note = (
+                        f"kept as asked, though it may not pay: {stream_plan.estimate}"
+                    )
         if raw["fork"]:
             _Rewrite(graph_module, graph, analysis, raw, stream_plan).run()
             graph.lint()
@@ -716,12 +735,15 @@ class _ModeSource:
     switches.)
     """
 
-    __slots__ = ("stream_pass", "module", "code", "plans")
+    __slots__ = ("stream_pass", "module", "code", "plans", "host")
 
-    def __init__(self, stream_pass: MultiStreamPass, module: torch.nn.Module, code: str):
+    def __init__(
+        self, stream_pass: MultiStreamPass, module: torch.nn.Module, code: str, host: HostCosts
+    ):
         self.stream_pass = stream_pass
         self.module = module
         self.code = code
+        self.host = host
         # training mode -> the rewritten module for it (None: the graph
         # traced in that mode is this one's).
         self.plans: Dict[bool, Optional[torch.fx.GraphModule]] = {module.training: None}
@@ -736,7 +758,7 @@ class _ModeSource:
         if mode not in self.plans:
             traced = self.stream_pass.trace(self.module)
             self.plans[mode] = (
-                None if traced.code == self.code else self.stream_pass.rewrite(traced)
+                None if traced.code == self.code else self.stream_pass.rewrite(traced, self.host)
             )
         return self.plans[mode]
 

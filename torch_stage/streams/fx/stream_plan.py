@@ -54,9 +54,11 @@ class StreamPlan:
         note: what became of the plan where it did not run as planned (the
             compile backend on a device without streams; a plan that did
             not pay, run on one stream), else empty.
-        estimate: the plan's modelled time against one stream's
+        estimate: the modelled time of the plan the scheduler made (or,
+            after merges, of what is left of it) against one stream's
             (:class:`torch_stage.streams.fx.host_cost.Estimate`), for plans
-            of :func:`torch_stage.multi_stream` that fork; else None.
+            of :func:`torch_stage.multi_stream` that forked, declined ones
+            included; else None.
     """
 
     strategy: str

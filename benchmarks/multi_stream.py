@@ -41,6 +41,7 @@ Usage: python benchmarks/multi_stream.py [--iters N] [--batch N] [--no-inductor]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -382,6 +383,49 @@ def bench_pass(n):
     return ms, count
 
 
+#: Host costs of a GPU's order, given (not measured) for --decisions: what
+#: a plan made on this machine would decide where calls cost microseconds.
+GPU_LIKE = dict(
+    launch_us=6.0, fork_join_us=4.0, sync_us=2.0, record_us=1.5, wait_us=1.5, keep_us=0.5
+)
+
+
+def bench_decisions(device, batches=(2, 256)):
+    """What the pay rule decides for each zoo model planned with examples,
+    with the host costs measured here and with GPU_LIKE's."""
+    from torch_stage.streams.fx.host_cost import HostCosts, planning_with
+
+    rows = []
+    for entry in zoo.ZOO:
+        for batch in batches:
+            for costs in ("measured", "gpu_like"):
+                module = zoo.build(entry, device).eval()
+                inputs = entry.inputs(max(batch, entry.min_batch), device)
+                given = planning_with(HostCosts(**GPU_LIKE)) if costs == "gpu_like" else None
+                with given if given is not None else contextlib.nullcontext():
+                    plan = torch_stage.multi_stream(
+                        module, num_streams=NUM_STREAMS, example_inputs=inputs
+                    ).stream_plan
+                estimate = plan.estimate
+                row = {
+                    "model": entry.name,
+                    "batch": max(batch, entry.min_batch),
+                    "host_costs": costs,
+                    "streams_used": len(plan.streams_used),
+                    "modelled_speedup": None if estimate is None else round(estimate.speedup, 3),
+                    "note": plan.note,
+                }
+                rows.append(row)
+                print(
+                    f"{row['model']:<16} batch {row['batch']:>3} {costs:<8} "
+                    f"streams {row['streams_used']}  modelled {row['modelled_speedup']}  "
+                    f"{plan.note[:60]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=50, help="timed calls per variant")
@@ -397,9 +441,19 @@ def main() -> int:
     parser.add_argument(
         "--no-inductor", action="store_true", help="leave out torch.compile's default backend"
     )
+    parser.add_argument(
+        "--decisions",
+        action="store_true",
+        help="the pay rule's decisions alone, with measured and with GPU-like host costs",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.decisions:
+        emit(
+            {"benchmark": "multi_stream_decisions", "decisions": bench_decisions(device)}, args.json
+        )
+        return 0
     report = {
         "benchmark": "multi_stream",
         "torch": torch.__version__,

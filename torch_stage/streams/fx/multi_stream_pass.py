@@ -165,9 +165,7 @@ class MultiStreamPass:
             bind_examples(module, self.example_inputs, self.example_kwargs)  # fails here, if at all
         traced = self.trace(module)
         host = self.host_costs_for(traced)
-        result = self.rewrite(traced, host)
-        if self.cuda_graphs:
-            result = CUDAGraphModule(result, warmup=self.warmup)
+        result = self.call(traced, host)
         if isinstance(result, _GraphModule) and not self.cuda_graphs:
             # A plan for the other training mode weighs the same host costs.
             result._mode_source = _ModeSource(self, module, traced.code, host)
@@ -315,10 +313,13 @@ class MultiStreamPass:
             return HostCosts.free()
         return host_costs(device_of(graph_module, self._inputs_of(graph_module)))
 
-    def call(self, graph_module: torch.fx.GraphModule) -> torch.nn.Module:
+    def call(
+        self, graph_module: torch.fx.GraphModule, host: Optional[HostCosts] = None
+    ) -> torch.nn.Module:
         """Plan ``graph_module`` and return the rewritten copy (wrapped in a
-        :class:`torch_stage.CUDAGraphModule` when ``cuda_graphs`` is set)."""
-        result = self.rewrite(graph_module)
+        :class:`torch_stage.CUDAGraphModule` when ``cuda_graphs`` is set);
+        ``host`` as for :meth:`rewrite`."""
+        result = self.rewrite(graph_module, host)
         if self.cuda_graphs:
             return CUDAGraphModule(result, warmup=self.warmup)
         return result

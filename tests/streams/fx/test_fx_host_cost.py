@@ -2,6 +2,7 @@
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -162,6 +163,35 @@ def test_a_branch_too_small_to_pay_for_its_events_stays_on_its_parents_stream():
     assert paid.assignment["mul"] == 0
     assert paid.assignment["a"] != paid.assignment["b"]
     assert paid.estimate.pays
+
+
+class _Wide(nn.Module):
+    """24 independent chains of four elementwise ops."""
+
+    def forward(self, x):
+        out = []
+        for k in range(24):
+            y = x + k
+            for _ in range(3):
+                y = torch.sin(y)
+            out.append(y)
+        return torch.stack(out)
+
+
+def test_the_dearer_a_launch_the_fewer_streams_pay():
+    # The host issues every node: once it takes about as long to launch a
+    # chain as the device takes to run one, more streams only add calls.
+    kept = []
+    for launch in (0.5, 1.0, 2.0, 3.0):
+        with planning_with(HostCosts(launch, 1.0, 1.0, 0.5, 0.5, 0.1)):
+            plan = torch_stage.multi_stream(_Wide(), num_streams=32).stream_plan
+        kept.append(len(plan.streams_used))
+        assert plan.estimate.pays
+    assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1] > 1, kept
+    # The last note names eight merges and counts the rest, on one line.
+    assert plan.note.startswith("side streams merged where their calls cost more than")
+    assert plan.note.count(" into ") == 8 and re.search(r" and \d+ more$", plan.note)
+    assert "\n" not in plan.note
 
 
 def test_host_costs_are_measured_once_per_device_and_process():

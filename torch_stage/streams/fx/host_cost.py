@@ -430,8 +430,9 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
         )
     stream_plan.estimate = best
     if merged:
+        shown = ", ".join(merged[:8]) + (f" and {len(merged) - 8} more" if len(merged) > 8 else "")
         stream_plan.note = (
-            f"side streams merged where their calls cost more than they save: {', '.join(merged)}"
+            f"side streams merged where their calls cost more than they save: {shown}"
         )
     return stream_plan, raw
 

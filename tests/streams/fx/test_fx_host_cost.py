@@ -74,14 +74,18 @@ def test_branches_with_kernels_worth_overlapping_keep_their_streams():
         assert torch.equal(ms(x), module(x))
 
 
-class _Deep(nn.Module):
-    """Four independent branches of six elementwise ops each."""
+class _Chains(nn.Module):
+    """``branches`` independent chains: an add, then ``depth`` sines."""
+
+    def __init__(self, branches: int, depth: int):
+        super().__init__()
+        self.branches, self.depth = branches, depth
 
     def forward(self, x):
         out = []
-        for k in range(4):
+        for k in range(self.branches):
             y = x + k
-            for _ in range(5):
+            for _ in range(self.depth):
                 y = torch.sin(y)
             out.append(y)
         return torch.stack(out)
@@ -95,7 +99,7 @@ def test_the_decision_weighs_host_costs_measured_here(launches, pays):
     measured = host_costs("cpu")
     device_us = launches * measured.launch_us
     x = torch.randn(2, 16)
-    ms = _plan(_Deep(), x, cost_model=lambda node: device_us)
+    ms = _plan(_Chains(4, 5), x, cost_model=lambda node: device_us)
     plan = ms.stream_plan
     assert plan.estimate.host is measured
     assert plan.estimate.pays is pays
@@ -103,7 +107,7 @@ def test_the_decision_weighs_host_costs_measured_here(launches, pays):
     if not pays:
         assert "host costs measured on cpu" in plan.note
         assert 'strategy="critical_path" keeps it' in plan.note
-    assert torch.equal(ms(x), _Deep()(x))
+    assert torch.equal(ms(x), _Chains(4, 5)(x))
 
 
 @pytest.mark.parametrize("strategy", ["critical_path", "min_sync"])
@@ -165,26 +169,13 @@ def test_a_branch_too_small_to_pay_for_its_events_stays_on_its_parents_stream():
     assert paid.estimate.pays
 
 
-class _Wide(nn.Module):
-    """24 independent chains of four elementwise ops."""
-
-    def forward(self, x):
-        out = []
-        for k in range(24):
-            y = x + k
-            for _ in range(3):
-                y = torch.sin(y)
-            out.append(y)
-        return torch.stack(out)
-
-
 def test_the_dearer_a_launch_the_fewer_streams_pay():
     # The host issues every node: once it takes about as long to launch a
     # chain as the device takes to run one, more streams only add calls.
     kept = []
     for launch in (0.5, 1.0, 2.0, 3.0):
         with planning_with(HostCosts(launch, 1.0, 1.0, 0.5, 0.5, 0.1)):
-            plan = torch_stage.multi_stream(_Wide(), num_streams=32).stream_plan
+            plan = torch_stage.multi_stream(_Chains(24, 3), num_streams=32).stream_plan
         kept.append(len(plan.streams_used))
         assert plan.estimate.pays
     assert kept == sorted(kept, reverse=True) and kept[0] > kept[-1] > 1, kept

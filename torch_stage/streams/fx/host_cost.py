@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torch_stage import _C
 from torch_stage.streams.fx import _ops
+from torch_stage.streams.fx._example import tensors_in
 from torch_stage.streams.fx.cost_model import LAUNCH_US
 from torch_stage.streams.fx.stream_plan import plan
 
@@ -56,6 +57,7 @@ __all__ = [
     "estimate",
     "host_costs",
     "paying_plan",
+    "plan_estimate",
     "planning_with",
 ]
 
@@ -277,8 +279,6 @@ def _timings(device: torch.device) -> HostCosts:
 def device_of(module: torch.nn.Module, example_inputs: Optional[Sequence[Any]]) -> torch.device:
     """The device a plan is made for: its first example tensor's, else its
     module's first parameter's or buffer's, else the CPU."""
-    from torch_stage.streams.fx._example import tensors_in
-
     for t in tensors_in(tuple(example_inputs or ())):
         return t.device
     for t in module.parameters():
@@ -379,6 +379,13 @@ def _replay(steps, preds, costs_us, host: HostCosts) -> float:
     return max([now] + list(free.values()))
 
 
+def plan_estimate(analysis: Any, raw: Mapping[str, Any], host: HostCosts) -> Estimate:
+    """:func:`estimate` of ``raw``, a plan of the analysed graph."""
+    return estimate(
+        device_costs(analysis.costs, analysis.costs_known), list(analysis.edges), raw, host
+    )
+
+
 def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, verify: bool):
     """``stream_plan`` made to pay, or declined: each side stream whose
     work saves less than its calls cost the host (by :func:`estimate`) is
@@ -390,7 +397,7 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
     """
     costs_us = device_costs(analysis.costs, analysis.costs_known)
     edges = list(analysis.edges)
-    first = best = estimate(costs_us, edges, raw, host)
+    first = best = plan_estimate(analysis, raw, host)
     merged: List[str] = []
     while raw["fork"]:
         for side in _side_streams_by_work(raw["stream"], costs_us):

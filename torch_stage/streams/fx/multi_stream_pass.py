@@ -55,11 +55,10 @@ from torch_stage.streams.fx.annotate import (
 from torch_stage.streams.fx.classify import HOST_META
 from torch_stage.streams.fx.host_cost import (
     HostCosts,
-    device_costs,
     device_of,
-    estimate,
     host_costs,
     paying_plan,
+    plan_estimate,
 )
 from torch_stage.streams.fx.stream_plan import StreamPlan, plan
 from torch_stage.streams.fx.writer import PlanWriter
@@ -353,12 +352,7 @@ class MultiStreamPass:
             if checked:
                 stream_plan, raw = paying_plan(analysis, stream_plan, raw, host, self.verify)
             else:
-                stream_plan.estimate = estimate(
-                    device_costs(analysis.costs, analysis.costs_known),
-                    list(analysis.edges),
-                    raw,
-                    host,
-                )
+                stream_plan.estimate = plan_estimate(analysis, raw, host)
                 if not stream_plan.estimate.pays:
                     stream_plan.note = (
                         f"kept as asked, though it may not pay: {stream_plan.estimate}"

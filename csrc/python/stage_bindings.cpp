@@ -516,6 +516,7 @@ class PyStage {
     d["threads"] = s.threads;
     d["inline_items"] = s.inline_items;
     d["inline_s"] = s.inline_ns / 1e9;
+    d["loop_s"] = s.loop_ns / 1e9;
     if (s.auto_tune) {
       py::dict tuning;
       tuning["windows"] = s.tuning_windows;
@@ -734,6 +735,10 @@ void init_stage(py::module_& m) {
       .def(
           "start",
           [](PyStage& s) { s.stage().start(); },
+          py::call_guard<ReleasedGil>())
+      .def(
+          "prime",
+          [](PyStage& s) { s.stage().prime(); },
           py::call_guard<ReleasedGil>())
       .def("next", &PyStage::next, py::arg("timeout_ms") = -1)
       .def(

@@ -24,7 +24,11 @@
 // * more threads, when the consumer waited for more than `wait_fraction` of
 //   the window; from no thread (the consumer produced inline) also only
 //   when the ideal gain of overlapping the two, (D + C) / max(D, C) with D
-//   the production per item and C the rest of the step, is worth a trial;
+//   the production per item and C the rest of the step, is worth a trial,
+//   or else two threads at once when making items side by side is:
+//   (D + C) / max(S, D / 2, C), S the part of D read from the source, which
+//   producers do one at a time (a loop that only gathers items from a slow
+//   transform gains nothing from one thread, and twice from two);
 // * more capacity, when the consumer waited while producers were also
 //   blocked for space (bursty production: a deeper buffer absorbs it);
 // * fewer threads, when the consumer did not wait (the thread may cost the
@@ -54,11 +58,13 @@
 // (benchmarks/dataloader_grid.py). With a share of 1/10 the first trial
 // waits for window 10, a refused one-window trial holds the next to window
 // 20, and a run never spends more than a tenth of its windows on settings
-// it may not keep. One trial is free of it: a thread, from none, while the
-// consumer's own production mostly waits rather than computes (under half
-// of its time on the CPU: I/O, worker processes, a device). Overlapping a
-// wait takes no core from the step, so that trial is cheap and pays at
-// once, where a compute-bound producer needs a core the step may be using.
+// it may not keep. Two trials are free of it: a thread, from none, while
+// the consumer's own production mostly waits rather than computes (under
+// half of its time on the CPU: I/O, worker processes, a device).
+// Overlapping a wait takes no core from the step, so that trial is cheap
+// and pays at once, where a compute-bound producer needs a core the step
+// may be using; and two threads, from none, where the loop only gathers
+// items: there is no step for them to slow.
 // A trial is judged against the mean of the last two windows at the
 // settled setting where there are two (one window is noisy), and the first
 // trial of a run waits for a second window: a run's first window holds its
@@ -135,6 +141,10 @@ struct TunerSample {
   // thread CPU time meanwhile; 0 when not measured.
   int64_t inline_ns = 0;
   int64_t inline_cpu_ns = 0;
+  // The part of inline_ns that producer threads would run side by side (the
+  // transform and the copy: the source is read by one at a time); 0 when
+  // not measured, and then nothing is taken to run side by side.
+  int64_t inline_parallel_ns = 0;
 };
 
 class AutoTuner {
@@ -215,6 +225,11 @@ class AutoTuner {
     const double rest_per_item =
         static_cast<double>(ns) / items - wait_per_item;
     const int64_t inline_ns = s.inline_ns - start_.inline_ns;
+    const double parallel_per_item = std::clamp(
+        static_cast<double>(s.inline_parallel_ns - start_.inline_parallel_ns) /
+            static_cast<double>(items),
+        0.0,
+        std::max(wait_per_item, 0.0));
     // The share of inline production spent on the consumer's CPU (-1: none
     // measured in this window).
     const double inline_cpu = inline_ns > 0 && s.inline_cpu_ns > 0
@@ -237,8 +252,26 @@ class AutoTuner {
     if (trials_ == 0 && windows_ == 1) {
       return false; // the opening window (see above)
     }
-    const double ideal_gain = (wait_per_item + rest_per_item) /
+    double ideal_gain = (wait_per_item + rest_per_item) /
         std::max(wait_per_item, rest_per_item);
+    // From none, one thread can only overlap the consumer's own production
+    // with the rest of its step, which gains nothing when the step is all
+    // production (a loop that only gathers items). Two threads can also make
+    // items side by side, as far as they need not read the source in turn:
+    // per item, max(serial, production / 2, rest).
+    from_none_ = 1;
+    if (setting_.threads == 0 && limits_.max_threads >= 2 &&
+        ideal_gain <= 1.0 + limits_.gain_margin) {
+      const double two = (wait_per_item + rest_per_item) /
+          std::max(
+                             {wait_per_item - parallel_per_item,
+                              wait_per_item / 2,
+                              rest_per_item});
+      if (two > 1.0 + limits_.gain_margin) {
+        from_none_ = 2;
+        ideal_gain = two;
+      }
+    }
     // Moves in order of preference, each when allowed and not cooling down.
     // A waiting consumer also tries a thread fewer once more threads and
     // capacity are out (refused lately, or at their bound): the thread may
@@ -264,13 +297,22 @@ class AutoTuner {
     }
     const bool overlaps_a_wait = setting_.threads == 0 && inline_cpu >= 0 &&
         inline_cpu < limits_.waiting_cpu_share;
-    if (!overlaps_a_wait && !within_share()) {
+    // Two threads from none are tried only where the loop does little but
+    // gather items: there is no step for them to slow.
+    const bool only_gathers = setting_.threads == 0 && from_none_ == 2;
+    if (!overlaps_a_wait && !only_gathers && !within_share()) {
       if (!deferred_logged_) {
         deferred_logged_ = true;
         std::ostringstream why;
         why << "window " << windows_ << ": would try "
             << describe(next_of(move)) << " ("
-            << reason(move, wait, blocked, ideal_gain, limits_.wait_fraction)
+            << reason(
+                   move,
+                   setting_.threads == 0 ? from_none_ : 1,
+                   wait,
+                   blocked,
+                   ideal_gain,
+                   limits_.wait_fraction)
             << "); trials wait while they would take over "
             << limits_.explore_share * 100 << "% of the windows so far";
         if (setting_.threads == 0 && inline_cpu >= 0) {
@@ -289,9 +331,27 @@ class AutoTuner {
     const TunerSetting next = next_of(move);
     std::ostringstream why;
     why << "window " << windows_ << ": trying " << describe(next) << " ("
-        << reason(move, wait, blocked, ideal_gain, limits_.wait_fraction)
+        << reason(
+               move,
+               setting_.threads == 0 ? from_none_ : 1,
+               wait,
+               blocked,
+               ideal_gain,
+               limits_.wait_fraction)
         << ")";
     change(next, why.str());
+    return true;
+  }
+
+  // Before the first sample only: a setting with no thread gets one (a
+  // caller asked for the first item ahead of the first take). The tuner may
+  // park it again like any other. Returns true when setting() changed.
+  bool begin_with_a_thread(std::string why) {
+    if (started_ || setting_.threads > 0 || limits_.max_threads < 1) {
+      return false;
+    }
+    setting_.threads = 1;
+    record(std::move(why));
     return true;
   }
 
@@ -436,7 +496,7 @@ class AutoTuner {
     TunerSetting next = setting_;
     switch (move) {
       case Move::kMoreThreads:
-        ++next.threads;
+        next.threads += next.threads == 0 ? from_none_ : 1;
         break;
       case Move::kFewerThreads:
         --next.threads;
@@ -499,6 +559,7 @@ class AutoTuner {
 
   static std::string reason(
       Move move,
+      int64_t from_none,
       double wait,
       double blocked,
       double ideal_gain,
@@ -507,8 +568,10 @@ class AutoTuner {
     out.precision(2);
     switch (move) {
       case Move::kMoreThreads:
-        out << "the consumer waited " << wait * 100
-            << "% of the time; overlap could gain up to x" << ideal_gain;
+        out << "the consumer waited " << wait * 100 << "% of the time; "
+            << (from_none == 2 ? "making items on 2 threads side by side"
+                               : "overlap")
+            << " could gain up to x" << ideal_gain;
         break;
       case Move::kMoreCapacity:
         out << "the consumer waited " << wait * 100
@@ -540,6 +603,9 @@ class AutoTuner {
   int64_t carried_trial_windows_ = 0;
   // A deferred trial is logged once per run, not every window.
   bool deferred_logged_ = false;
+  // Threads a move from none adds (observe() decides: 1 to overlap, 2 to
+  // also make items side by side).
+  int64_t from_none_ = 1;
   Move trial_ = Move::kNone;
   // The trial passed its first window and runs a second (see judge()).
   bool confirming_ = false;

@@ -438,6 +438,11 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // The consumers' thread CPU time while producing inline (for the tuner:
   // production that mostly waits is overlapped by a thread for free).
   std::atomic<int64_t> inline_cpu_ns{0};
+  // The part of inline_ns spent in the transform and the copy (for the
+  // tuner: producers run those side by side, the source one at a time).
+  std::atomic<int64_t> inline_parallel_ns{0};
+  // When consumers took their first and their last item (-1: none yet).
+  std::atomic<int64_t> first_take_ns{-1}, last_take_ns{-1};
 
   std::mutex warn_mu;
   WarnFn warn; // guarded by warn_mu
@@ -500,6 +505,12 @@ struct Stage::State : std::enable_shared_from_this<State> {
     gate_cv.notify_all();
   }
 
+  void took(int64_t now) {
+    int64_t none = -1;
+    first_take_ns.compare_exchange_strong(none, now);
+    last_take_ns.store(now);
+  }
+
   // After each item a consumer took: feed the tuner (one consumer at a
   // time; the others skip, their items count in the next sample).
   void tune() {
@@ -537,6 +548,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
     sample.items = items;
     sample.inline_ns = inline_ns.load();
     sample.inline_cpu_ns = inline_cpu_ns.load();
+    sample.inline_parallel_ns = inline_parallel_ns.load();
     sample.wait_ns = b.consumer_wait_ns + sample.inline_ns;
     sample.blocked_ns = b.producer_blocked_ns;
     changed = tuner->observe(sample) || changed;
@@ -561,14 +573,22 @@ struct Stage::State : std::enable_shared_from_this<State> {
     }
     const int64_t start = now_ns();
     const int64_t cpu_start = thread_cpu_ns();
+    // With no producer at work, the transform and copy times that grow
+    // meanwhile are this consumer's (what threads could run side by side).
+    const int64_t parallel_start = process_ns.load() + copy_ns.load();
     while (consumers_produce() && !source_done_flag.load() && !stop.load() &&
            buffer.size() == 0) {
-      if (!step(consumer_status, /*consumer=*/true)) {
+      // Counted by what was delivered: the end of the source and skipped
+      // positions are steps too, but no item.
+      const int64_t before = produced.load();
+      const bool more = step(consumer_status, /*consumer=*/true);
+      inline_items += produced.load() - before;
+      if (!more) {
         break;
       }
-      ++inline_items;
     }
     inline_cpu_ns += thread_cpu_ns() - cpu_start;
+    inline_parallel_ns += process_ns.load() + copy_ns.load() - parallel_start;
     inline_ns += now_ns() - start;
     consumer_status.set(Phase::kExited);
   }
@@ -1096,6 +1116,20 @@ void Stage::start() {
   state_->start();
 }
 
+void Stage::prime() {
+  State& st = *state_;
+  if (st.tuner) {
+    std::lock_guard<std::mutex> lock(st.tune_mu);
+    if (st.tuner->begin_with_a_thread(
+            "primed: 1 thread, capacity " +
+            std::to_string(st.tuner->setting().capacity) +
+            " (the first item was asked for ahead of the first take)")) {
+      st.apply(st.tuner->setting());
+    }
+  }
+  st.start();
+}
+
 TakeStatus Stage::take(StageItem& out) {
   trace::Span span(trace::Kind::kTake, state_->range_take);
   const TakeStatus status =
@@ -1162,6 +1196,7 @@ TakeStatus Stage::take_for(
   if (!out.error) {
     DeviceStager::hand_over(out);
     ++st.consumed;
+    st.took(now_ns());
     st.tune();
   }
   return TakeStatus::kItem;
@@ -1199,6 +1234,7 @@ void Stage::end_own_item(bool made) {
   State& st = *state_;
   int64_t ns = 0;
   int64_t cpu_ns = 0;
+  int64_t now = 0;
   {
     std::lock_guard<std::mutex> lock(st.source_mu);
     if (!st.consumer_owns) {
@@ -1206,7 +1242,8 @@ void Stage::end_own_item(bool made) {
     }
     st.consumer_owns = false;
     if (made) {
-      ns = now_ns() - st.own_start_ns;
+      now = now_ns();
+      ns = now - st.own_start_ns;
       ++st.own_items;
       st.own_unread_ns += ns;
       st.own_last_ns = ns;
@@ -1230,6 +1267,7 @@ void Stage::end_own_item(bool made) {
   ++st.inline_items;
   ++st.produced;
   ++st.consumed;
+  st.took(now);
   if (trace::enabled()) {
     trace::Record r;
     r.end_ns = trace::now_ns();
@@ -1317,6 +1355,8 @@ StageStats Stage::stats() const {
   s.threads = state_->active.load();
   s.inline_items = state_->inline_items.load();
   s.inline_ns = state_->inline_ns.load();
+  const int64_t first = state_->first_take_ns.load();
+  s.loop_ns = first < 0 ? 0 : state_->last_take_ns.load() - first;
   s.auto_tune = state_->options.auto_tune;
   if (state_->tuner) {
     std::lock_guard<std::mutex> lock(state_->tune_mu);

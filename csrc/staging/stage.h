@@ -29,9 +29,10 @@
 //
 // Threads and ownership
 // ---------------------
-// start(), take(), close(), stats() and describe() may be called from any
-// thread. start() is idempotent and also happens on the first take(), so a
-// forgotten warm-up can never hang a consumer. close() stops the producers,
+// start(), prime(), take(), close(), stats() and describe() may be called
+// from any thread. start() is idempotent and also happens on the first
+// take(), so a forgotten warm-up can never hang a consumer. close() stops
+// the producers,
 // cancels the buffer (waking every waiter) and joins the threads; a producer
 // busy inside StageWork (user code that does not return) is waited for at
 // most join_timeout and then left to finish on its own, holding the shared
@@ -266,6 +267,9 @@ struct StageStats {
   int64_t threads = 0;
   int64_t inline_items = 0;
   int64_t inline_ns = 0;
+  // From the first item consumers took to the last (their loop's time, for
+  // telling input- from compute-bound where no producer ran).
+  int64_t loop_ns = 0;
   int64_t tuning_windows = 0;
   int64_t tuning_trials = 0;
   int64_t tuning_trial_windows = 0;
@@ -304,6 +308,11 @@ class Stage {
 
   // Starts the producer threads (idempotent).
   void start();
+  // start(), with at least one thread producing from the start where
+  // auto-tuning would begin with none (the consumer making items itself):
+  // the first item is wanted ahead of the first take. The tuner may park
+  // the thread again later.
+  void prime();
 
   // Takes the next item, waiting at most `timeout` (defaults to the stage's
   // timeout_ms). On kItem, `out` is ready to use on the calling thread's

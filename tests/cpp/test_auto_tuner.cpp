@@ -39,6 +39,8 @@ class Feed {
       // With no thread the consumer's wait is its own production.
       sample_.inline_ns += static_cast<int64_t>(wait * ns);
       sample_.inline_cpu_ns += static_cast<int64_t>(inline_cpu_ * wait * ns);
+      sample_.inline_parallel_ns +=
+          static_cast<int64_t>(inline_parallel_ * wait * ns);
     }
     return tuner_.observe(sample_);
   }
@@ -48,11 +50,17 @@ class Feed {
   void set_inline_cpu(double share) {
     inline_cpu_ = share;
   }
+  // ...and this share of it is work producers run side by side (the
+  // transform), the rest reading the source.
+  void set_inline_parallel(double share) {
+    inline_parallel_ = share;
+  }
 
  private:
   AutoTuner& tuner_;
   TunerSample sample_;
   double inline_cpu_ = -1;
+  double inline_parallel_ = 0;
 };
 
 TunerLimits limits(int64_t min_threads, int64_t max_threads) {
@@ -382,6 +390,99 @@ TEST(AutoTuner, OverlappingAWaitIsNotHeldToTheShare) {
   for (int w = 0; w < 10; ++w) {
     EXPECT_FALSE(feed.window(1.0, 0.5)) << "window " << tuner.windows();
   }
+}
+
+// A loop that only gathers items (the consumer makes them all the time)
+// gains nothing from one thread overlapping it; two making items side by
+// side can double its rate, as far as the source need not be read in turn.
+TEST(
+    AutoTuner,
+    AConsumerThatOnlyMakesItemsTriesTwoThreadsWhenTheyCanWorkSideBySide) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(0.1);
+  feed.set_inline_parallel(0.9); // a slow transform over a quick source
+  ASSERT_FALSE(feed.window(1.0, 0.99));
+  ASSERT_TRUE(feed.window(1.0, 0.99));
+  EXPECT_EQ(tuner.setting().threads, 2) << tuner.log().back();
+  EXPECT_NE(
+      tuner.log().back().find("making items on 2 threads side by side"),
+      std::string::npos)
+      << tuner.log().back();
+  EXPECT_FALSE(feed.window(1.9, 0.9));
+  EXPECT_FALSE(feed.window(1.9, 0.9));
+  EXPECT_EQ(tuner.setting().threads, 2);
+  EXPECT_NE(tuner.log().back().find("kept 2 threads"), std::string::npos)
+      << tuner.log().back();
+}
+
+// Making items on the consumer's CPU, the first trial waits for its share
+// of the run, unless the loop only gathers items: then no step is slowed.
+TEST(AutoTuner, TwoThreadsForALoopThatOnlyGathersAreNotHeldToTheShare) {
+  AutoTuner tuner(sharing_limits(), TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(1.0);
+  feed.set_inline_parallel(0.9);
+  ASSERT_FALSE(feed.window(1.0, 0.99));
+  ASSERT_TRUE(feed.window(1.0, 0.99));
+  EXPECT_EQ(tuner.setting().threads, 2) << tuner.log().back();
+  // A loop with a step of its own (half of it) tries one thread, at its
+  // share: window 10.
+  AutoTuner stepping(sharing_limits(), TunerSetting{0, 2});
+  Feed feed2(stepping);
+  feed2.set_inline_cpu(1.0);
+  feed2.set_inline_parallel(0.9);
+  int tried_at = 0;
+  for (int w = 1; w <= 12 && tried_at == 0; ++w) {
+    if (feed2.window(1.0, 0.5)) {
+      tried_at = w;
+    }
+  }
+  EXPECT_EQ(tried_at, 10);
+  EXPECT_EQ(stepping.setting().threads, 1) << stepping.log().back();
+}
+
+TEST(AutoTuner, AConsumerThatOnlyReadsTheSourceGetsNoThread) {
+  // All of the production is reading the source (no transform measured):
+  // producers would read it in turn, so neither one nor two threads gain.
+  for (const double parallel : {0.0, 0.01}) {
+    AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+    Feed feed(tuner);
+    feed.set_inline_cpu(0.1);
+    feed.set_inline_parallel(parallel);
+    for (int w = 0; w < 12; ++w) {
+      EXPECT_FALSE(feed.window(1.0, 0.99)) << "window " << tuner.windows();
+    }
+    EXPECT_EQ(tuner.setting().threads, 0);
+    EXPECT_EQ(tuner.trials(), 0);
+  }
+}
+
+TEST(AutoTuner, OneThreadAtMostNeverJumpsToTwo) {
+  AutoTuner tuner(limits(0, 1), TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(0.1);
+  feed.set_inline_parallel(0.9);
+  for (int w = 0; w < 12; ++w) {
+    EXPECT_FALSE(feed.window(1.0, 0.99)) << "window " << tuner.windows();
+  }
+  EXPECT_EQ(tuner.setting().threads, 0);
+}
+
+TEST(AutoTuner, AStageAskedForItsFirstItemAheadBeginsWithAThread) {
+  AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
+  EXPECT_TRUE(tuner.begin_with_a_thread("primed"));
+  EXPECT_EQ(tuner.setting().threads, 1);
+  EXPECT_EQ(tuner.log().back(), "primed");
+  EXPECT_FALSE(tuner.begin_with_a_thread("again")); // it has one
+  // Once measuring, the setting is the tuner's own.
+  AutoTuner started(limits(0, 4), TunerSetting{0, 2});
+  Feed feed(started);
+  EXPECT_FALSE(started.begin_with_a_thread("late"));
+  EXPECT_EQ(started.setting().threads, 0);
+  // A stage that may have no thread never gets one.
+  AutoTuner none(limits(0, 0), TunerSetting{0, 2});
+  EXPECT_FALSE(none.begin_with_a_thread("none"));
 }
 
 TEST(AutoTuner, AThreadLimitEndsATrialAndHoldsFromThenOn) {

@@ -360,7 +360,10 @@ TEST(Stage, AutoTunedDeliversInOrderWhileTheSettingChanges) {
   EXPECT_GT(s.tuning_trials, 10) << log_of(stage);
   EXPECT_GT(s.inline_items, 0); // some items came from the consumer
   EXPECT_LT(s.inline_items, 3000); // and some from producers
-  EXPECT_EQ(work->consumer_pulls.load(), s.inline_items);
+  // Items, not steps: the consumer's pulls also include the skipped
+  // positions it met (one in ten) and perhaps the end.
+  EXPECT_GE(work->consumer_pulls.load(), s.inline_items);
+  EXPECT_LE(work->consumer_pulls.load(), s.inline_items * 10 / 9 + 2);
   EXPECT_FALSE(stage.tuning_log().empty());
 }
 
@@ -391,7 +394,7 @@ TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
   Stage stage(no_thread(3), work);
   EXPECT_EQ(drain(stage), iota(50));
   EXPECT_EQ(work->consumer_pulls.load(), 51); // the end too
-  EXPECT_EQ(stage.stats().inline_items, 51);
+  EXPECT_EQ(stage.stats().inline_items, 50); // items, not the end
   EXPECT_EQ(stage.stats().threads, 0);
   EXPECT_TRUE(stage.stats().finished); // parked producers saw the end
 }

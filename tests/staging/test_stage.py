@@ -266,7 +266,7 @@ def test_timeout_names_the_stage_and_what_producers_do():
         time.sleep(2)
         yield 1
 
-    stage = staged(slow(), timeout_millis=100, name="slowpoke")
+    stage = staged(slow(), timeout_millis=100, name="slowpoke", num_threads=1)
     with pytest.raises(StageTimeoutError) as info:
         next(iter(stage))
     message = str(info.value)
@@ -275,6 +275,20 @@ def test_timeout_names_the_stage_and_what_producers_do():
     assert "producer 0: pulling from the source (item 0)" in message
     assert isinstance(info.value, TimeoutError)
     stage.close()
+
+
+def test_a_consumer_making_its_item_itself_waits_for_no_producer():
+    # With tuned threads the stage starts with none: the consumer makes the
+    # item, as a plain loop over the source would, and the timeout (a bound
+    # on waiting for producers) does not cut that short.
+    def slow():
+        time.sleep(0.3)
+        yield 1
+
+    with staged(slow(), timeout_millis=100) as stage:
+        assert list(stage) == [1]
+        s = stage.stats()
+    assert s["inline_items"] == 1 and s["threads"] == 0, s
 
 
 def test_the_gil_is_not_held_while_a_consumer_waits(run_python):
@@ -482,6 +496,11 @@ def test_prefetch_hook_primes_registered_and_new_stages_and_closes_them():
         assert ("before", 0) in pulled and ("inside", 0) in pulled
         assert before._impl.buffered() >= 1 and inside._impl.buffered() >= 1
         assert next(iter(before)) == 0
+        # Tuned threads would start with none: primed, a thread made the
+        # first item, and the tuner says so.
+        for stage in (before, inside):
+            decisions = stage.stats()["tuning"]["decisions"]
+            assert decisions[0].startswith("primed: 1 thread"), decisions
     assert before._impl.closed and inside._impl.closed
 
 
@@ -554,7 +573,7 @@ def test_thread_names_keep_the_stage_name_and_the_producer_id_within_linux_15_ch
 
     with staged(range(40), transform=work, num_threads=2, name="augment_images") as stage:
         assert list(stage) == list(range(40))
-    with staged(range(4), transform=work, name="io") as stage:
+    with staged(range(4), transform=work, name="io", num_threads=1) as stage:
         assert list(stage) == list(range(4))
     assert names <= {"ts:augment_im:0", "ts:augment_im:1", "ts:io:0"}, names
     assert {"ts:augment_im:0", "ts:io:0"} <= names, names
@@ -595,9 +614,13 @@ def test_a_stage_reading_another_of_its_pool_holds_no_slot_while_it_waits(slots,
 
 def test_default_stage_threads_use_one_intra_op_thread_without_touching_others():
     main_threads = torch.get_num_threads()
-    seen = drain(staged(range(3), transform=lambda x: torch.get_num_threads()))
+    seen = drain(staged(range(3), transform=lambda x: torch.get_num_threads(), num_threads=1))
     assert seen == [1, 1, 1]
     assert torch.get_num_threads() == main_threads
+    # Items the consumer makes itself (tuned threads start with none) run
+    # with its own settings, as in a plain loop.
+    seen = drain(staged(range(3), transform=lambda x: torch.get_num_threads()))
+    assert seen == [main_threads] * 3
     fresh = []
     t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
     t.start()
@@ -634,12 +657,23 @@ def test_stats_say_input_bound_and_compute_bound():
     assert s["bound"] == "input"
     assert s["produced"] == s["consumed"] == 15
 
-    stage = staged(range(15), capacity=4)
+    stage = staged(range(15), capacity=4, num_threads=1)
     for _ in stage:
         time.sleep(0.01)
     s = stage.stats()
     assert s["bound"] == "compute"
     assert s["max_occupancy"] == 4 and s["mean_occupancy"] > 2
+
+    # The consumer makes every item itself (no thread pays for a quick
+    # source): no producer is ever blocked, and the rest of its loop is
+    # what makes it compute-bound.
+    stage = staged(range(15), capacity=4)
+    for _ in stage:
+        time.sleep(0.01)
+    s = stage.stats()
+    assert s["inline_items"] == 15 and s["threads"] == 0, s
+    assert s["bound"] == "compute", s
+    assert s["loop_s"] >= 14 * 0.01 and s["inline_s"] < s["loop_s"] / 3, s
     for key in (
         "skipped",
         "dropped",
@@ -662,7 +696,7 @@ def test_producers_never_drop_unless_asked():
 
 
 def test_opt_in_put_timeout_drops_counts_and_warns():
-    stage = staged(range(50), capacity=1, put_timeout_millis=5, name="lossy")
+    stage = staged(range(50), capacity=1, put_timeout_millis=5, name="lossy", num_threads=1)
     it = iter(stage)
     with pytest.warns(RuntimeWarning, match="stage 'lossy' dropped item"):
         first = next(it)
@@ -677,7 +711,7 @@ def test_opt_in_put_timeout_drops_counts_and_warns():
 
 
 def test_close_counts_discarded_items():
-    stage = staged(range(100), capacity=5)
+    stage = staged(range(100), capacity=5, num_threads=1)
     it = iter(stage)
     next(it)
     deadline = time.monotonic() + HANG_BOUND_S

@@ -77,7 +77,8 @@ def _check_device(device) -> Optional[torch.device]:
 
 
 class Stage:
-    """Items of a source, produced ahead by background C++ threads.
+    """Items of a source, produced ahead by background C++ threads (or, where
+    auto-tuning finds that no thread pays, by the consumer in ``next()``).
 
     Made by :func:`staged`; see it for the arguments. A stage is a one-pass
     stream: iterate it (from several threads if need be) to get the items,
@@ -157,11 +158,16 @@ class Stage:
         ``discarded`` (buffered when closed), ``errors``; seconds spent:
         ``consumer_wait_s`` (consumers waiting for items: input-bound when
         large), ``producer_blocked_s`` (producers waiting for space or for
-        their turn: compute-bound when large), ``source_s``, ``transform_s``,
+        their turn: compute-bound when large), ``inline_s`` (consumers
+        making items themselves, ``inline_items`` of them, while no producer
+        thread was at work), ``loop_s`` (from the first item consumers took
+        to the last), ``source_s``, ``transform_s``,
         ``copy_s`` (device staging on the host), ``gil_wait_s`` (producers
         waiting for the GIL); ``mean_occupancy`` and ``max_occupancy`` of the
-        buffer as consumers found it, ``capacity``; ``bound``: "input",
-        "compute" or "balanced" by those waits. With ``device``:
+        buffer as consumers found it, ``capacity``, ``threads`` (producer
+        threads at work now); ``bound``: "input", "compute" or "balanced" by
+        those waits (where consumers made every item, by the share of their
+        loop spent making them). With ``device``:
         ``staged_items``, ``staged_bytes``, ``fused_tensors`` (gathered into
         one transfer per item), ``pinned_direct_copies`` (large pinned
         tensors sent as they are), ``pinned_buffers``,
@@ -169,7 +175,13 @@ class Stage:
         waited for the copy still reading the buffer).
         """
         s = self._impl.stats()
-        wait, blocked = s["consumer_wait_s"], s["producer_blocked_s"]
+        # Consumers making items themselves are as input-bound as waiting.
+        wait = s["consumer_wait_s"] + s["inline_s"]
+        blocked = s["producer_blocked_s"]
+        if s["inline_items"] and s["produced"] <= s["inline_items"]:
+            # No producer thread made an item, so none was ever blocked:
+            # the compute side is the rest of the consumers' loop.
+            blocked = max(s["loop_s"] - wait, 0.0)
         if wait > 2 * blocked and wait > 0:
             s["bound"] = "input"
         elif blocked > 2 * wait and blocked > 0:
@@ -296,7 +308,9 @@ class Stage:
     def _prime(self) -> None:
         # Warm-up as tf_cnn_benchmarks does: one item in the buffer before the
         # first step, so the first step does not wait for a full pipeline.
-        self._impl.start()
+        # A stage whose tuner would start with the consumer making items
+        # gets a thread to make this one (the tuner may park it later).
+        self._impl.prime()
         deadline = time.monotonic() + self._timeout_ms / 1000
         while self._impl.buffered() == 0 and not self._impl.finished:
             if time.monotonic() > deadline:
@@ -517,7 +531,7 @@ def staged(
     put_timeout_millis: Optional[int] = None,
     autotune: bool = True,
     _min_threads: int = 0,
-    _initial_threads: int = 1,
+    _initial_threads: int = 0,
     _tuning_memory: Optional[dict] = None,
     _any_structure: bool = False,
     _item_errors: bool = False,
@@ -540,12 +554,19 @@ def staged(
             memory budget (see ``autotune``); 1 without it.
         num_threads: producer threads (>= 1); the source is read by one at a
             time, the transform and the copy run on all at once. None
-            (default): chosen by auto-tuning, from 1, between none (where
-            no thread pays, the consumer makes each item itself in
-            ``next()``, as a plain loop does; ``timeout_millis`` bounds
-            waits for producers, and a consumer making an item waits for
-            none) and the cores this process may use (at most 8); 1 without
-            it.
+            (default): chosen by auto-tuning between none and the cores
+            this process may use (at most 8), starting from none: the
+            consumer makes each item itself in ``next()``, as the same loop
+            over ``source`` would, until a thread pays (one to overlap
+            making items with the rest of the loop, two when the loop only
+            gathers items and the transform can run side by side), so a
+            stage never costs what a thread the machine cannot spare would
+            (on a small machine one can slow the loop's own work by a
+            third). Items, order, errors and end of data are the same
+            either way; ``timeout_millis`` bounds waits for producers, and a
+            consumer making an item waits for none. A stage primed by
+            :func:`make_prefetch_hook` starts with a thread. 1 without
+            auto-tuning. Give a number for threads from the first item.
         autotune: choose what ``capacity`` and ``num_threads`` leave as
             None while the stage runs (tf.data's AUTOTUNE, measured instead
             of modelled): windows of items are timed at the consumer, and a
@@ -600,7 +621,8 @@ def staged(
             as items finish (False).
         put_timeout_millis: opt-in DeepRec behaviour: a producer that waits
             this long for buffer space discards its item (counted in
-            ``stats()["dropped"]`` and warned). None (default): never drop.
+            ``stats()["dropped"]`` and warned; an item the consumer makes
+            itself is never dropped). None (default): never drop.
 
     Returns:
         The :class:`Stage`. Iterate it; ``with staged(...) as stage:`` closes
@@ -795,7 +817,8 @@ def make_prefetch_hook():
 
     Every open stage made before entering, and every stage made inside, is
     started and primed with one item (the warm-up of TensorFlow's staged
-    input pipeline: the first step finds its input ready), in creation
+    input pipeline: the first step finds its input ready), made by a
+    producer thread also where auto-tuning would start with none, in creation
     order so that an upstream stage primes before the stages that read it.
     On exit all of them are closed and their threads joined. Stages also
     start on first use without the hook, so forgetting it never hangs.

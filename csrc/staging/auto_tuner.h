@@ -55,10 +55,13 @@
 // DataLoader epoch of 60 steps is ~7 windows; on a 2-core machine the
 // staging thread it tried there with no workers lost x0.57-0.96 for one
 // window, and the epoch 2-7% against the plain loader
-// (benchmarks/dataloader_grid.py). With a share of 1/10 the first trial
-// waits for window 10, a refused one-window trial holds the next to window
-// 20, and a run never spends more than a tenth of its windows on settings
-// it may not keep. Two trials are free of it: a thread, from none, while
+// (benchmarks/dataloader_grid.py). With a share of 1/20 (Stage's) the
+// first trial waits for window 20, a refused one-window trial holds the next
+// to window 40, and a run never spends more than a twentieth of its windows
+// on settings it may not keep: with trials that lose up to a quarter of
+// their window's rate, at most ~1.3% of the run. (At 1/10, a 100-step run
+// of that grid tried a thread at window 10 of 12 and lost 2-3% to it, the
+// whole of the margin a drop-in may take.) Two trials are free of it: a thread, from none, while
 // the consumer's own production mostly waits rather than computes (under
 // half of its time on the CPU: I/O, worker processes, a device).
 // Overlapping a wait takes no core from the step, so that trial is cheap

@@ -229,7 +229,7 @@ struct StageOptions {
   int64_t tune_window_ns = 50'000'000;
   // The share of windows trials may take (TunerLimits::explore_share; 0:
   // no bound); tests that change the setting all the time make it 0.
-  double tune_explore_share = 0.1;
+  double tune_explore_share = 0.05;
   // Inline production under this share of its time on the consumer's CPU
   // counts as waiting (TunerLimits::waiting_cpu_share); benchmarks vary it.
   double tune_waiting_cpu_share = 0.5;

@@ -271,7 +271,7 @@ class SlowOffTheLoop(torch.utils.data.Dataset):
     holds, or one that fights the loop for its core)."""
 
     def __len__(self):
-        return 600
+        return 1200
 
     def __getitem__(self, i):
         if threading.current_thread() is threading.main_thread():
@@ -290,7 +290,7 @@ def test_autotune_makes_batches_in_the_loop_when_a_thread_does_not_pay():
     for batch in loader:
         seen.extend(batch.tolist())
         _busy(0.001)
-    assert seen == list(range(600))
+    assert seen == list(range(1200))
     s = loader.stats()
     assert s["tuning"]["trials"] >= 1, s["tuning"]
     # Settled without a thread (a trial may be under way as the epoch ends).
@@ -299,10 +299,10 @@ def test_autotune_makes_batches_in_the_loop_when_a_thread_does_not_pay():
     decisions = s["tuning"]["decisions"]
     assert any("back to no producer thread" in line for line in decisions)
     # Made in the loop, a batch is CPU work (busy Python): a thread would
-    # need a core, so its trial waits until it is a tenth of the run.
+    # need a core, so its trial waits until it is a twentieth of the run.
     assert "on its CPU: a thread would need a core" in decisions[0], decisions
     first_trial = next(line for line in decisions if ": trying " in line)
-    assert int(first_trial.split()[1].rstrip(":")) >= 10, decisions
+    assert int(first_trial.split()[1].rstrip(":")) >= 20, decisions
 
 
 class RandomCrops(torch.utils.data.Dataset):
@@ -422,7 +422,7 @@ class WaitsInTheLoop(torch.utils.data.Dataset):
 
 def test_autotune_tries_a_thread_at_once_where_the_loop_waits_for_its_batches():
     # Overlapping a wait takes no core from the step: the trial is not held
-    # to the share of the run that other trials are (window 2, not 10).
+    # to the share of the run that other trials are (window 2, not 20).
     loader = torch_stage.DataLoader(WaitsInTheLoop(), batch_size=1)
     seen = []
     for batch in loader:
@@ -444,7 +444,7 @@ def test_autotune_carries_what_it_learnt_into_the_next_epoch():
         for batch in loader:
             seen.extend(batch.tolist())
             _busy(0.001)
-        assert seen == list(range(600))
+        assert seen == list(range(1200))
         s = loader.stats()
         trials.append(s["tuning"]["trials"])
         firsts.append(s["tuning"]["decisions"][0])

@@ -869,7 +869,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             tuning learnt (capacity, which moves did not pay, how much of
             the run trials took), without a staging thread. A first thread
             is tried at once where ``next()`` mostly waits to make a batch
-            (reading, or the workers' queue), and only after window 10
+            (reading, or the workers' queue), and only after window 20
             where it computes (a thread would need a core the step uses).
             False: 1 thread and capacity 2 unless given.
         stage_subgraph_stream_id: the staging stream for the copies

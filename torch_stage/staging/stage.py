@@ -574,8 +574,8 @@ def staged(
             waits while producers are blocked: bursty production) or a
             thread fewer (when it does not wait) is tried for a window and
             kept only when the consumer's rate says so. Trials take at most
-            a tenth of the windows so far (the first waits for window 10),
-            since a short run cannot earn back one that did not pay.
+            a twentieth of the windows so far (the first waits for window
+            20), since a short run cannot earn back one that did not pay.
             Capacity stays within
             1/16 of the machine's memory (at most 2 GiB) over the first
             item's size. ``stats()["threads"]``, ``stats()["capacity"]`` and
@@ -728,7 +728,7 @@ _TUNE_WINDOW = (8, 50_000_000)
 # The share of the tuner's windows that trials may take, across a
 # DataLoader's epochs (csrc/staging/auto_tuner.h says why; tests make it 0
 # with the window above).
-_TUNE_EXPLORE_SHARE = 0.1
+_TUNE_EXPLORE_SHARE = 0.05
 # Inline production under this share of its time on the consumer's CPU
 # counts as waiting: a first thread's trial then runs at once (auto_tuner.h).
 _TUNE_WAITING_CPU_SHARE = 0.5

@@ -18,11 +18,17 @@ is a training step (an MLP with SGD) sized against it. Per cell:
   num_workers=2)`` over the same index batches, prefetched by 2.
 
 With --explore-share S, ``ours_sS_wN`` also runs: ours with the tuner's
-exploration share at S instead of its default 0.1 (0: trials not held to a
-share of the run, the rule before stop 25), against the same plain loader.
+exploration share at S instead of its default 0.05 (0: trials not held to a
+share of the run, the rule before stop 25), against the same plain loader,
+and ``staged_sS``: staged() with the share at S, against the inline loop.
 With --waiting-cpu-share W, ``ours_cW_wN``: ours with the line at W (default
 0.5) under which the loop's own production counts as waiting, so that a
 first staging thread is tried at once.
+
+With --control, ``inline_aa`` and ``plain_aa_w0`` run the inline loop and the
+plain DataLoader again, each against itself: their intervals say how far a
+ratio of equals strays over the rounds given, so how many rounds a verdict
+needs on this machine.
 
 With --epochs E each run trains E epochs of the same loader (as a training
 run does; torch_stage.DataLoader carries its tuning from one epoch to the
@@ -43,7 +49,7 @@ when it straddles 0.97 (more rounds, or a quieter machine, can settle it),
 ``too few rounds`` under 6 rounds.
 
 Usage: python benchmarks/dataloader_grid.py [--rounds R] [--steps S] [--epochs E]
-       [--cells C...] [--only M...] [--explore-share S] [--json PATH]
+       [--cells C...] [--only M...] [--explore-share S] [--control] [--json PATH]
 """
 
 import argparse
@@ -159,7 +165,20 @@ class TunedLoader(torch_stage.DataLoader):
                 setattr(torch_stage.staging.stage, name, value)
 
 
-def methods(dataset, n: int, share=None, waiting=None):
+def tuned_staged(tuning: dict, *args, **kwargs):
+    """staged() with some of the tuner's private settings changed, as
+    TunedLoader."""
+    saved = {name: getattr(torch_stage.staging.stage, name) for name in tuning}
+    for name, value in tuning.items():
+        setattr(torch_stage.staging.stage, name, value)
+    try:
+        return torch_stage.staged(*args, **kwargs)
+    finally:
+        for name, value in saved.items():
+            setattr(torch_stage.staging.stage, name, value)
+
+
+def methods(dataset, n: int, share=None, waiting=None, control=False):
     """name -> a zero-argument function making the loader of one epoch."""
     out = {}
     for workers in (0, 2):
@@ -182,6 +201,15 @@ def methods(dataset, n: int, share=None, waiting=None):
     # index batches does (what staged() replaces).
     out["inline"] = lambda: (Load(dataset)(indices) for indices in index_batches(n))
     out["staged"] = lambda: torch_stage.staged(index_batches(n), transform=Load(dataset))
+    if share is not None:
+        out[f"staged_s{share:g}"] = lambda: tuned_staged(
+            {"_TUNE_EXPLORE_SHARE": share}, index_batches(n), transform=Load(dataset)
+        )
+    if control:
+        # The same loaders again, against themselves: how far a ratio of
+        # equals strays on this machine, with these rounds.
+        out["inline_aa"] = out["inline"]
+        out["plain_aa_w0"] = out["plain_w0"]
     if ParallelMapper is not None:
         out["torchdata"] = lambda: Loader(
             Prefetcher(
@@ -215,8 +243,10 @@ def baseline(key: str):
     and the inline loop against nothing."""
     if key.startswith("ours"):
         return f"plain_w{key[-1]}"
-    if key == "staged":
+    if key.startswith("staged") or key == "inline_aa":
         return "inline"
+    if key == "plain_aa_w0":
+        return "plain_w0"
     return None if key.startswith("plain") or key == "inline" else "plain_w2"
 
 
@@ -243,16 +273,18 @@ def cell(
     epochs: int = 1,
     share=None,
     waiting=None,
+    control=False,
 ) -> dict:
     n = (steps + 2) * BATCH
     dataset = Images(n, reps)
-    makers = methods(dataset, n, share, waiting)
+    makers = methods(dataset, n, share, waiting, control)
     if only:
-        makers = {
-            k: v
-            for k, v in makers.items()
-            if k in only or k.startswith("plain") or k == "inline" and "staged" in only
-        }
+        # What was asked for, the controls, and what they are measured
+        # against: no loader runs that nothing needs (a plain loader's
+        # worker processes, still shutting down, would slow its neighbours).
+        keep = set(only) | ({"inline_aa", "plain_aa_w0"} if control else set())
+        keep |= {baseline(k) for k in keep if k in makers} - {None}
+        makers = {k: v for k, v in makers.items() if k in keep}
     runs: dict = {k: [] for k in makers}
     ratios: dict = {}
     stats: dict = {}
@@ -283,7 +315,9 @@ def cell(
             for k, (lo, hi, c) in intervals.items()
         },
         "within_3_percent": {
-            k: verdict(*v) for k, v in intervals.items() if k.startswith("ours") or k == "staged"
+            k: verdict(*v)
+            for k, v in intervals.items()
+            if k.startswith("ours") or k.startswith("staged")
         },
         "tuning": {
             k: {key: s.get(key) for key in ("threads", "capacity", "tuning") if key in s}
@@ -375,6 +409,12 @@ def main() -> int:
         help="also run ours with the tuner's line between inline production that waits "
         "and that computes at this share of its time on the CPU (ours_cW_wN)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also run the inline loop and the plain DataLoader against themselves "
+        "(inline_aa, plain_aa_w0): the spread of a ratio of equals over these rounds",
+    )
     add_json_argument(parser)
     args = parser.parse_args()
     if args.explore_share is not None and not 0 <= args.explore_share <= 1:
@@ -391,6 +431,7 @@ def main() -> int:
             args.epochs,
             args.explore_share,
             args.waiting_cpu_share,
+            args.control,
         )
         for name in progress(args.cells, "cells")
     ]
@@ -405,6 +446,7 @@ def main() -> int:
             "epochs": args.epochs,
             "explore_share": args.explore_share,
             "waiting_cpu_share": args.waiting_cpu_share,
+            "control": args.control,
             "batch_size": BATCH,
             "unit": "ms per step (steady state), median over rounds; ratios per round",
             "cells": rows,

@@ -61,13 +61,14 @@
 // on settings it may not keep: with trials that lose up to a quarter of
 // their window's rate, at most ~1.3% of the run. (At 1/10, a 100-step run
 // of that grid tried a thread at window 10 of 12 and lost 2-3% to it, the
-// whole of the margin a drop-in may take.) Two trials are free of it: a thread, from none, while
-// the consumer's own production mostly waits rather than computes (under
-// half of its time on the CPU: I/O, worker processes, a device).
-// Overlapping a wait takes no core from the step, so that trial is cheap
-// and pays at once, where a compute-bound producer needs a core the step
-// may be using; and two threads, from none, where the loop only gathers
-// items: there is no step for them to slow.
+// whole of the margin a drop-in may take.) Two trials are free of it: a thread,
+// from none, while the consumer's own production mostly waits rather than
+// computes (under half of its time on the CPU: I/O, worker processes, a
+// device). Overlapping a wait takes no core from the step, so that trial is
+// cheap and pays at once, where a compute-bound producer needs a core the step
+// may be using; and a thread more (two from none) where the loop only
+// gathers items (under gain_margin of its time outside waiting for or
+// making them): there is no step for it to slow.
 // A trial is judged against the mean of the last two windows at the
 // settled setting where there are two (one window is noisy), and the first
 // trial of a run waits for a second window: a run's first window holds its
@@ -219,14 +220,16 @@ class AutoTuner {
       return false;
     }
     const double rate = static_cast<double>(items) / static_cast<double>(ns);
-    const double wait = static_cast<double>(s.wait_ns - start_.wait_ns) / ns;
+    // Consumers' waits add up: several waiting at once wait for one
+    // stream of items, so the window's wait is at most the window.
+    const double wait =
+        std::min(static_cast<double>(s.wait_ns - start_.wait_ns) / ns, 1.0);
     const double blocked =
         static_cast<double>(s.blocked_ns - start_.blocked_ns) /
         (static_cast<double>(ns) * std::max<int64_t>(setting_.threads, 1));
-    const double wait_per_item =
-        static_cast<double>(s.wait_ns - start_.wait_ns) / items;
-    const double rest_per_item =
-        static_cast<double>(ns) / items - wait_per_item;
+    const double per_item = static_cast<double>(ns) / items;
+    const double wait_per_item = wait * per_item;
+    const double rest_per_item = per_item - wait_per_item;
     const int64_t inline_ns = s.inline_ns - start_.inline_ns;
     const double parallel_per_item = std::clamp(
         static_cast<double>(s.inline_parallel_ns - start_.inline_parallel_ns) /
@@ -300,9 +303,10 @@ class AutoTuner {
     }
     const bool overlaps_a_wait = setting_.threads == 0 && inline_cpu >= 0 &&
         inline_cpu < limits_.waiting_cpu_share;
-    // Two threads from none are tried only where the loop does little but
-    // gather items: there is no step for them to slow.
-    const bool only_gathers = setting_.threads == 0 && from_none_ == 2;
+    // A loop that does little but gather items has no step for a thread to
+    // slow: a thread more (two from none) is tried whatever the share.
+    const bool only_gathers = move == Move::kMoreThreads &&
+        rest_per_item <= limits_.gain_margin * per_item;
     if (!overlaps_a_wait && !only_gathers && !within_share()) {
       if (!deferred_logged_) {
         deferred_logged_ = true;
@@ -311,7 +315,7 @@ class AutoTuner {
             << describe(next_of(move)) << " ("
             << reason(
                    move,
-                   setting_.threads == 0 ? from_none_ : 1,
+                   setting_.threads == 0 ? from_none_ : 0,
                    wait,
                    blocked,
                    ideal_gain,
@@ -336,25 +340,13 @@ class AutoTuner {
     why << "window " << windows_ << ": trying " << describe(next) << " ("
         << reason(
                move,
-               setting_.threads == 0 ? from_none_ : 1,
+               setting_.threads == 0 ? from_none_ : 0,
                wait,
                blocked,
                ideal_gain,
                limits_.wait_fraction)
         << ")";
     change(next, why.str());
-    return true;
-  }
-
-  // Before the first sample only: a setting with no thread gets one (a
-  // caller asked for the first item ahead of the first take). The tuner may
-  // park it again like any other. Returns true when setting() changed.
-  bool begin_with_a_thread(std::string why) {
-    if (started_ || setting_.threads > 0 || limits_.max_threads < 1) {
-      return false;
-    }
-    setting_.threads = 1;
-    record(std::move(why));
     return true;
   }
 
@@ -560,6 +552,12 @@ class AutoTuner {
     return out.str();
   }
 
+  // A share as a whole percentage (precision 2 would print 100 as 1e+02).
+  static int percent(double share) {
+    return static_cast<int>(share * 100 + 0.5);
+  }
+
+  // from_none: the threads a move from none adds; 0: not from none.
   static std::string reason(
       Move move,
       int64_t from_none,
@@ -571,18 +569,22 @@ class AutoTuner {
     out.precision(2);
     switch (move) {
       case Move::kMoreThreads:
-        out << "the consumer waited " << wait * 100 << "% of the time; "
-            << (from_none == 2 ? "making items on 2 threads side by side"
-                               : "overlap")
-            << " could gain up to x" << ideal_gain;
+        out << "the consumer waited " << percent(wait) << "% of the time; ";
+        if (from_none == 0) {
+          out << "a thread more can make items side by side";
+        } else {
+          out << (from_none == 2 ? "making items on 2 threads side by side"
+                                 : "overlap")
+              << " could gain up to x" << ideal_gain;
+        }
         break;
       case Move::kMoreCapacity:
-        out << "the consumer waited " << wait * 100
+        out << "the consumer waited " << percent(wait)
             << "% of the time while producers were blocked for space "
-            << blocked * 100 << "%: bursty production";
+            << percent(blocked) << "%: bursty production";
         break;
       case Move::kFewerThreads:
-        out << "the consumer waited " << wait * 100 << "% of the time"
+        out << "the consumer waited " << percent(wait) << "% of the time"
             << (wait > wait_fraction ? " and more threads did not pay" : "")
             << ": a thread fewer may leave the step more CPU";
         break;

@@ -441,8 +441,10 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // The part of inline_ns spent in the transform and the copy (for the
   // tuner: producers run those side by side, the source one at a time).
   std::atomic<int64_t> inline_parallel_ns{0};
-  // When consumers took their first and their last item (-1: none yet).
+  // When consumers began their first take and ended their last (-1: not
+  // yet).
   std::atomic<int64_t> first_take_ns{-1}, last_take_ns{-1};
+  std::atomic<bool> end_taken{false}; // a consumer found the end
 
   std::mutex warn_mu;
   WarnFn warn; // guarded by warn_mu
@@ -505,9 +507,13 @@ struct Stage::State : std::enable_shared_from_this<State> {
     gate_cv.notify_all();
   }
 
-  void took(int64_t now) {
+  // A consumer's loop runs from its first take's start (making the first
+  // item is part of it) to its last take's end.
+  void taking(int64_t start) {
     int64_t none = -1;
-    first_take_ns.compare_exchange_strong(none, now);
+    first_take_ns.compare_exchange_strong(none, start);
+  }
+  void took(int64_t now) {
     last_take_ns.store(now);
   }
 
@@ -1118,16 +1124,10 @@ void Stage::start() {
 
 void Stage::prime() {
   State& st = *state_;
-  if (st.tuner) {
-    std::lock_guard<std::mutex> lock(st.tune_mu);
-    if (st.tuner->begin_with_a_thread(
-            "primed: 1 thread, capacity " +
-            std::to_string(st.tuner->setting().capacity) +
-            " (the first item was asked for ahead of the first take)")) {
-      st.apply(st.tuner->setting());
-    }
-  }
   st.start();
+  // No producer at work: the caller makes the item, as a consumer would
+  // in take() (nothing while one is buffered or on its way).
+  st.produce_inline();
 }
 
 TakeStatus Stage::take(StageItem& out) {
@@ -1149,6 +1149,9 @@ TakeStatus Stage::take_for(
     bool may_produce) {
   State& st = *state_;
   st.start();
+  if (st.first_take_ns.load() < 0) {
+    st.taking(now_ns());
+  }
   const auto deadline = deadline_after(timeout);
   // A producer of another stage reading this one waits without its slot.
   give_back_slot();
@@ -1187,6 +1190,9 @@ TakeStatus Stage::take_for(
     case BufferStatus::kTimeout:
       return TakeStatus::kTimeout;
     case BufferStatus::kClosed:
+      if (!st.end_taken.exchange(true)) {
+        st.took(now_ns()); // finding the end is part of the loop
+      }
       return TakeStatus::kEnd;
     case BufferStatus::kCancelled:
     case BufferStatus::kTooLarge:
@@ -1267,6 +1273,7 @@ void Stage::end_own_item(bool made) {
   ++st.inline_items;
   ++st.produced;
   ++st.consumed;
+  st.taking(now - ns);
   st.took(now);
   if (trace::enabled()) {
     trace::Record r;

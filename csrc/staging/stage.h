@@ -267,8 +267,9 @@ struct StageStats {
   int64_t threads = 0;
   int64_t inline_items = 0;
   int64_t inline_ns = 0;
-  // From the first item consumers took to the last (their loop's time, for
-  // telling input- from compute-bound where no producer ran).
+  // From the start of consumers' first take to the end of their last
+  // (their loop's time, for telling input- from compute-bound where no
+  // producer ran).
   int64_t loop_ns = 0;
   int64_t tuning_windows = 0;
   int64_t tuning_trials = 0;
@@ -308,10 +309,10 @@ class Stage {
 
   // Starts the producer threads (idempotent).
   void start();
-  // start(), with at least one thread producing from the start where
-  // auto-tuning would begin with none (the consumer making items itself):
-  // the first item is wanted ahead of the first take. The tuner may park
-  // the thread again later.
+  // start(), and where no producer is at work (auto-tuning settled on, or
+  // started with, none: consumers make items themselves), makes one item
+  // on the calling thread if none is buffered or on its way: the first
+  // item is wanted ahead of the first take. Blocks while it makes it.
   void prime();
 
   // Takes the next item, waiting at most `timeout` (defaults to the stage's

@@ -469,20 +469,37 @@ TEST(AutoTuner, OneThreadAtMostNeverJumpsToTwo) {
   EXPECT_EQ(tuner.setting().threads, 0);
 }
 
-TEST(AutoTuner, AStageAskedForItsFirstItemAheadBeginsWithAThread) {
+// Several consumers waiting at once add up more wait than the window
+// lasts: it counts as the whole window (a loop that only gathers items),
+// not as a negative rest of the step that no thread could help.
+TEST(AutoTuner, ConsumersWaitingTogetherStillGetThreads) {
   AutoTuner tuner(limits(0, 4), TunerSetting{0, 2});
-  EXPECT_TRUE(tuner.begin_with_a_thread("primed"));
-  EXPECT_EQ(tuner.setting().threads, 1);
-  EXPECT_EQ(tuner.log().back(), "primed");
-  EXPECT_FALSE(tuner.begin_with_a_thread("again")); // it has one
-  // Once measuring, the setting is the tuner's own.
-  AutoTuner started(limits(0, 4), TunerSetting{0, 2});
-  Feed feed(started);
-  EXPECT_FALSE(started.begin_with_a_thread("late"));
-  EXPECT_EQ(started.setting().threads, 0);
-  // A stage that may have no thread never gets one.
-  AutoTuner none(limits(0, 0), TunerSetting{0, 2});
-  EXPECT_FALSE(none.begin_with_a_thread("none"));
+  Feed feed(tuner);
+  feed.set_inline_cpu(0.1);
+  feed.set_inline_parallel(0.9);
+  ASSERT_FALSE(feed.window(1.0, 3.0)); // three consumers, all waiting
+  ASSERT_TRUE(feed.window(1.0, 3.0));
+  EXPECT_EQ(tuner.setting().threads, 2) << tuner.log().back();
+}
+
+// From one thread on, a loop that only gathers items gets its next thread's
+// trial at once too: there is no step for it to slow.
+TEST(AutoTuner, ALoopThatOnlyGathersGetsMoreThreadsWhateverTheShare) {
+  AutoTuner tuner(sharing_limits(), TunerSetting{1, 2});
+  Feed feed(tuner);
+  ASSERT_FALSE(feed.window(1.0, 0.99));
+  ASSERT_TRUE(feed.window(1.0, 0.99));
+  EXPECT_EQ(tuner.setting().threads, 2);
+  EXPECT_NE(
+      tuner.log().back().find("a thread more can make items side by side"),
+      std::string::npos)
+      << tuner.log().back();
+  // A loop with a step of its own waits for its share.
+  AutoTuner stepping(sharing_limits(), TunerSetting{1, 2});
+  Feed feed2(stepping);
+  for (int w = 1; w <= 9; ++w) {
+    EXPECT_FALSE(feed2.window(1.0, 0.5)) << "window " << stepping.windows();
+  }
 }
 
 TEST(AutoTuner, AThreadLimitEndsATrialAndHoldsFromThenOn) {

@@ -496,12 +496,60 @@ def test_prefetch_hook_primes_registered_and_new_stages_and_closes_them():
         assert ("before", 0) in pulled and ("inside", 0) in pulled
         assert before._impl.buffered() >= 1 and inside._impl.buffered() >= 1
         assert next(iter(before)) == 0
-        # Tuned threads would start with none: primed, a thread made the
-        # first item, and the tuner says so.
+        # Tuned threads start with none: the hook's thread made the items.
         for stage in (before, inside):
-            decisions = stage.stats()["tuning"]["decisions"]
-            assert decisions[0].startswith("primed: 1 thread"), decisions
+            s = stage.stats()
+            assert s["threads"] == 0 and s["inline_items"] >= 1, s
     assert before._impl.closed and inside._impl.closed
+
+
+def test_the_prefetch_hook_entered_after_a_default_stage_delivered_primes_it_at_once():
+    # The stage makes its items in next() (no thread pays for range): the
+    # hook's thread makes the next one, and the rest follow in order.
+    stage = staged(range(100), timeout_millis=int(HANG_BOUND_S * 1000))
+    it = iter(stage)
+    assert [next(it), next(it)] == [0, 1]
+    start = time.monotonic()
+    with torch_stage.make_prefetch_hook():
+        assert time.monotonic() - start < HANG_BOUND_S / 2
+        assert list(it) == list(range(2, 100))
+
+
+def test_a_primed_default_stage_over_a_slow_transform_gets_two_threads_at_once():
+    def slow(x):
+        time.sleep(0.004)
+        return x
+
+    stage = staged(range(300), transform=slow)
+    with torch_stage.make_prefetch_hook():
+        assert list(stage) == list(range(300))
+        decisions = stage.stats()["tuning"]["decisions"]
+    assert decisions[0].startswith("window 2: trying 2 threads"), decisions
+
+
+def test_several_consumers_of_a_default_stage_get_threads():
+    # Four consumers waiting at once add up four times the loop's time in
+    # waits: still a loop that only gathers items, which threads serve.
+    def slow(x):
+        time.sleep(0.003)
+        return x
+
+    stage = staged(range(600), transform=slow, num_clients=4)
+    got, lock = [], threading.Lock()
+
+    def consume():
+        for x in stage:
+            with lock:
+                got.append(x)
+
+    threads = [threading.Thread(target=consume) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_BOUND_S)
+    assert sorted(got) == list(range(600))
+    decisions = stage.stats()["tuning"]["decisions"]
+    assert any(": trying 2 threads" in line for line in decisions), decisions
 
 
 def test_prefetch_hook_primes_upstream_before_downstream():
@@ -674,6 +722,16 @@ def test_stats_say_input_bound_and_compute_bound():
     assert s["inline_items"] == 15 and s["threads"] == 0, s
     assert s["bound"] == "compute", s
     assert s["loop_s"] >= 14 * 0.01 and s["inline_s"] < s["loop_s"] / 3, s
+
+    # The loop's time includes making its first item.
+    def slow(x):
+        time.sleep(0.05)
+        return x
+
+    stage = staged(range(3), transform=slow)
+    drain(stage)
+    s = stage.stats()
+    assert s["bound"] == "input" and s["inline_s"] <= s["loop_s"], s
     for key in (
         "skipped",
         "dropped",

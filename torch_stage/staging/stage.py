@@ -160,8 +160,8 @@ class Stage:
         large), ``producer_blocked_s`` (producers waiting for space or for
         their turn: compute-bound when large), ``inline_s`` (consumers
         making items themselves, ``inline_items`` of them, while no producer
-        thread was at work), ``loop_s`` (from the first item consumers took
-        to the last), ``source_s``, ``transform_s``,
+        thread was at work), ``loop_s`` (from the start of consumers' first
+        take to the end of their last), ``source_s``, ``transform_s``,
         ``copy_s`` (device staging on the host), ``gil_wait_s`` (producers
         waiting for the GIL); ``mean_occupancy`` and ``max_occupancy`` of the
         buffer as consumers found it, ``capacity``, ``threads`` (producer
@@ -308,8 +308,8 @@ class Stage:
     def _prime(self) -> None:
         # Warm-up as tf_cnn_benchmarks does: one item in the buffer before the
         # first step, so the first step does not wait for a full pipeline.
-        # A stage whose tuner would start with the consumer making items
-        # gets a thread to make this one (the tuner may park it later).
+        # With no producer at work the caller makes the item, as the first
+        # next() would have (prime() returns once it is buffered).
         self._impl.prime()
         deadline = time.monotonic() + self._timeout_ms / 1000
         while self._impl.buffered() == 0 and not self._impl.finished:
@@ -565,8 +565,9 @@ def staged(
             third). Items, order, errors and end of data are the same
             either way; ``timeout_millis`` bounds waits for producers, and a
             consumer making an item waits for none. A stage primed by
-            :func:`make_prefetch_hook` starts with a thread. 1 without
-            auto-tuning. Give a number for threads from the first item.
+            :func:`make_prefetch_hook` with no thread at work has its first
+            item made by the hook's caller. 1 without auto-tuning. Give a
+            number for threads from the first item.
         autotune: choose what ``capacity`` and ``num_threads`` leave as
             None while the stage runs (tf.data's AUTOTUNE, measured instead
             of modelled): windows of items are timed at the consumer, and a
@@ -817,8 +818,8 @@ def make_prefetch_hook():
 
     Every open stage made before entering, and every stage made inside, is
     started and primed with one item (the warm-up of TensorFlow's staged
-    input pipeline: the first step finds its input ready), made by a
-    producer thread also where auto-tuning would start with none, in creation
+    input pipeline: the first step finds its input ready), made here where
+    no producer thread is at work (auto-tuning starts with none), in creation
     order so that an upstream stage primes before the stages that read it.
     On exit all of them are closed and their threads joined. Stages also
     start on first use without the hook, so forgetting it never hangs.

@@ -214,7 +214,7 @@ def test_bad_staging_arguments_fail_at_construction():
         ("capacity", 0, ValueError, r"capacity must be >= 1 \(or None: auto-tuned\), got 0"),
         ("num_threads", 0, ValueError, "num_threads must be >= 1"),
         ("autotune", "yes", TypeError, "autotune must be a bool, got 'yes'"),
-        ("timeout_millis", 0, ValueError, "timeout_millis must be > 0, got 0"),
+        ("timeout_millis", 0, ValueError, r"timeout_millis must be > 0 \(or None\), got 0"),
         ("stage_subgraph_stream_id", -1, ValueError, "stage_subgraph_stream_id must be in"),
         ("transform", 3, TypeError, "transform must be callable"),
         ("device", "cuda:9", ValueError, "does not exist"),

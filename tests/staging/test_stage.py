@@ -277,18 +277,29 @@ def test_timeout_names_the_stage_and_what_producers_do():
     stage.close()
 
 
-def test_a_consumer_making_its_item_itself_waits_for_no_producer():
-    # With tuned threads the stage starts with none: the consumer makes the
-    # item, as a plain loop over the source would, and the timeout (a bound
-    # on waiting for producers) does not cut that short.
+def test_a_given_timeout_keeps_a_thread_and_none_given_makes_items_in_the_loop():
     def slow():
         time.sleep(0.3)
         yield 1
 
-    with staged(slow(), timeout_millis=100) as stage:
+    # No timeout given: the stage starts with no thread, and the consumer
+    # makes the item, as a plain loop over the source would.
+    with staged(slow()) as stage:
         assert list(stage) == [1]
         s = stage.stats()
     assert s["inline_items"] == 1 and s["threads"] == 0, s
+    # Given, the bound holds: a thread makes the item and the consumer's
+    # wait is cut short...
+    with staged(slow(), timeout_millis=100, name="bounded") as stage:
+        with pytest.raises(StageTimeoutError, match="stage 'bounded'"):
+            next(iter(stage))
+    # ...and the tuner never parks the last thread, even where none pays
+    # (a quick source and a slow consumer).
+    with staged(range(400), timeout_millis=60_000) as stage:
+        for _ in stage:
+            time.sleep(0.0005)
+        s = stage.stats()
+    assert s["threads"] >= 1 and s["inline_items"] == 0, s
 
 
 def test_the_gil_is_not_held_while_a_consumer_waits(run_python):
@@ -506,9 +517,10 @@ def test_prefetch_hook_primes_registered_and_new_stages_and_closes_them():
 def test_the_prefetch_hook_entered_after_a_default_stage_delivered_primes_it_at_once():
     # The stage makes its items in next() (no thread pays for range): the
     # hook's thread makes the next one, and the rest follow in order.
-    stage = staged(range(100), timeout_millis=int(HANG_BOUND_S * 1000))
+    stage = staged(range(100))
     it = iter(stage)
     assert [next(it), next(it)] == [0, 1]
+    assert stage.stats()["threads"] == 0
     start = time.monotonic()
     with torch_stage.make_prefetch_hook():
         assert time.monotonic() - start < HANG_BOUND_S / 2
@@ -1211,7 +1223,7 @@ def test_describe_does_not_claim_a_measurement_before_any():
             r"num_threads must be >= 1 \(or None: auto-tuned\) and at most 1024, got 1025",
         ),
         ({"num_clients": -1}, ValueError, "num_clients must be >= 1, got -1"),
-        ({"timeout_millis": 0}, ValueError, "timeout_millis must be > 0, got 0"),
+        ({"timeout_millis": 0}, ValueError, r"timeout_millis must be > 0 \(or None\), got 0"),
         ({"timeout_millis": 1.5}, TypeError, "timeout_millis must be an int"),
         ({"closed_exception_types": (StopIteration, int)}, TypeError, "exception classes only"),
         ({"ignored_exception_types": ("KeyError",)}, TypeError, "exception classes only"),

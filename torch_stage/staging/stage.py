@@ -517,7 +517,7 @@ def staged(
     capacity: Optional[int] = None,
     num_threads: Optional[int] = None,
     num_clients: int = 1,
-    timeout_millis: int = 300_000,
+    timeout_millis: Optional[int] = None,
     closed_exception_types=(StopIteration,),
     ignored_exception_types=(),
     use_stage_subgraph_thread_pool: bool = False,
@@ -530,8 +530,8 @@ def staged(
     ordered: bool = True,
     put_timeout_millis: Optional[int] = None,
     autotune: bool = True,
-    _min_threads: int = 0,
-    _initial_threads: int = 0,
+    _min_threads: Optional[int] = None,
+    _initial_threads: Optional[int] = None,
     _tuning_memory: Optional[dict] = None,
     _any_structure: bool = False,
     _item_errors: bool = False,
@@ -563,8 +563,9 @@ def staged(
             stage never costs what a thread the machine cannot spare would
             (on a small machine one can slow the loop's own work by a
             third). Items, order, errors and end of data are the same
-            either way; ``timeout_millis`` bounds waits for producers, and a
-            consumer making an item waits for none. A stage primed by
+            either way. A consumer making an item waits for no producer, so
+            no timeout bounds it: with ``timeout_millis`` given, tuning
+            starts from one thread and never goes below it. A stage primed by
             :func:`make_prefetch_hook` with no thread at work has its first
             item made by the hook's caller. 1 without auto-tuning. Give a
             number for threads from the first item.
@@ -588,7 +589,10 @@ def staged(
             one consumer, and every consumer sees the end of the stream.
         timeout_millis: how long a consumer waits for an item before
             :class:`~torch_stage.StageTimeoutError`, which says what the
-            producers are doing (> 0).
+            producers are doing (> 0). Given, a hung source or transform
+            raises it, so tuned threads never go below one (an item the
+            consumer made itself could hang it). None (default): 300000,
+            and tuned threads may go down to none.
         closed_exception_types: exceptions from the source or transform that
             end the stream; the items before are delivered first.
         ignored_exception_types: exceptions that skip the item (counted in
@@ -641,13 +645,22 @@ def staged(
         check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_STAGE_THREADS)
     if not isinstance(autotune, bool):
         raise TypeError(f"autotune must be a bool, got {autotune!r}")
+    # A bound on waiting asks for the items to be made where the consumer
+    # does not wait for itself: by a thread, always.
+    bounded = timeout_millis is not None
+    if timeout_millis is None:
+        timeout_millis = _DEFAULT_TIMEOUT_MS
+    check_int("timeout_millis", timeout_millis, 1, "> 0 (or None)")
+    if _min_threads is None:
+        _min_threads = 1 if bounded else 0
+    if _initial_threads is None:
+        _initial_threads = _min_threads
     tuning = _tuning(capacity, num_threads, autotune, _min_threads, _initial_threads)
     if _tuning_memory is not None and tuning.get("auto_tune"):
         # What an earlier stage of the same work settled on (a DataLoader's
         # previous epoch), clamped to this stage's bounds in C++.
         tuning["tuning_memory"] = _tuning_memory
     check_int("num_clients", num_clients, 1, ">= 1")
-    check_int("timeout_millis", timeout_millis, 1, "> 0")
     closed = _check_exception_types("closed_exception_types", closed_exception_types)
     ignored = _check_exception_types("ignored_exception_types", ignored_exception_types)
     check_int(
@@ -715,6 +728,8 @@ def staged(
     )
 
 
+# How long a consumer waits for producers when timeout_millis is not given.
+_DEFAULT_TIMEOUT_MS = 300_000
 # Auto-tuning's bounds: capacity from 2 up to 16 items and a memory budget
 # of 1/16 of the machine's memory, at most 2 GiB, over the first item's size.
 _AUTO_CAPACITY = (2, 16)

@@ -511,7 +511,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // item is part of it) to its last take's end.
   void taking(int64_t start) {
     int64_t none = -1;
-    first_take_ns.compare_exchange_strong(none, start);
+    if (first_take_ns.load() < 0) {
+      first_take_ns.compare_exchange_strong(none, start);
+    }
   }
   void took(int64_t now) {
     last_take_ns.store(now);
@@ -584,11 +586,11 @@ struct Stage::State : std::enable_shared_from_this<State> {
     const int64_t parallel_start = process_ns.load() + copy_ns.load();
     while (consumers_produce() && !source_done_flag.load() && !stop.load() &&
            buffer.size() == 0) {
-      // Counted by what was delivered: the end of the source and skipped
-      // positions are steps too, but no item.
-      const int64_t before = produced.load();
-      const bool more = step(consumer_status, /*consumer=*/true);
-      inline_items += produced.load() - before;
+      // Items only: the end of the source and skipped positions are steps
+      // too.
+      bool made = false;
+      const bool more = step(consumer_status, /*consumer=*/true, &made);
+      inline_items += made ? 1 : 0;
       if (!more) {
         break;
       }
@@ -665,8 +667,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // One item from the source to the buffer. A producer loops on it (false:
   // exit); a consumer (`consumer`) runs it once, outside the stage thread
   // pool, and only when no earlier position is still on its way (true: it
-  // produced an item).
-  bool step(ProducerStatus& status, bool consumer) {
+  // delivered a position). `made`: whether that position was an item (not
+  // the end, a skip or an error).
+  bool step(ProducerStatus& status, bool consumer, bool* made = nullptr) {
     StagePools::Slot slot;
     const std::function<bool()> stopping = [this] {
       return stop.load() || source_done_flag.load();
@@ -753,6 +756,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
     }
     slot.release(); // a consumer's is empty: a no-op
     const bool delivered = deliver(status, std::move(item), outcome);
+    if (made != nullptr) {
+      *made = delivered && outcome == Outcome::kItem;
+    }
     --in_flight;
     if (consumer) {
       end_stream_if_done();
@@ -1150,7 +1156,7 @@ TakeStatus Stage::take_for(
   State& st = *state_;
   st.start();
   if (st.first_take_ns.load() < 0) {
-    st.taking(now_ns());
+    st.taking(now_ns()); // (the clock is read once per stage)
   }
   const auto deadline = deadline_after(timeout);
   // A producer of another stage reading this one waits without its slot.

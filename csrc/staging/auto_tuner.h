@@ -265,7 +265,9 @@ class AutoTuner {
     // production (a loop that only gathers items). Two threads can also make
     // items side by side, as far as they need not read the source in turn:
     // per item, max(serial, production / 2, rest).
-    from_none_ = 1;
+    // The threads a move from none adds: 1 to overlap, 2 to also make items
+    // side by side.
+    int64_t from_none = 1;
     if (setting_.threads == 0 && limits_.max_threads >= 2 &&
         ideal_gain <= 1.0 + limits_.gain_margin) {
       const double two = (wait_per_item + rest_per_item) /
@@ -274,7 +276,7 @@ class AutoTuner {
                               wait_per_item / 2,
                               rest_per_item});
       if (two > 1.0 + limits_.gain_margin) {
-        from_none_ = 2;
+        from_none = 2;
         ideal_gain = two;
       }
     }
@@ -307,24 +309,25 @@ class AutoTuner {
     // slow: a thread more (two from none) is tried whatever the share.
     const bool only_gathers = move == Move::kMoreThreads &&
         rest_per_item <= limits_.gain_margin * per_item;
+    const TunerSetting next = next_of(move, from_none);
+    const auto why_move = [&] {
+      return reason(
+          move,
+          setting_.threads == 0 ? from_none : 0,
+          wait,
+          blocked,
+          ideal_gain,
+          limits_.wait_fraction);
+    };
     if (!overlaps_a_wait && !only_gathers && !within_share()) {
       if (!deferred_logged_) {
         deferred_logged_ = true;
         std::ostringstream why;
-        why << "window " << windows_ << ": would try "
-            << describe(next_of(move)) << " ("
-            << reason(
-                   move,
-                   setting_.threads == 0 ? from_none_ : 0,
-                   wait,
-                   blocked,
-                   ideal_gain,
-                   limits_.wait_fraction)
-            << "); trials wait while they would take over "
+        why << "window " << windows_ << ": would try " << describe(next) << " ("
+            << why_move() << "); trials wait while they would take over "
             << limits_.explore_share * 100 << "% of the windows so far";
         if (setting_.threads == 0 && inline_cpu >= 0) {
-          why << " (the loop's own production was "
-              << static_cast<int>(inline_cpu * 100 + 0.5)
+          why << " (the loop's own production was " << percent(inline_cpu)
               << "% on its CPU: a thread would need a core)";
         }
         record(why.str());
@@ -335,17 +338,9 @@ class AutoTuner {
     last_base_rate_ = 0;
     base_ = setting_;
     trial_ = move;
-    const TunerSetting next = next_of(move);
     std::ostringstream why;
     why << "window " << windows_ << ": trying " << describe(next) << " ("
-        << reason(
-               move,
-               setting_.threads == 0 ? from_none_ : 0,
-               wait,
-               blocked,
-               ideal_gain,
-               limits_.wait_fraction)
-        << ")";
+        << why_move() << ")";
     change(next, why.str());
     return true;
   }
@@ -487,11 +482,12 @@ class AutoTuner {
     return trials + 1 <= limits_.explore_share * all;
   }
 
-  TunerSetting next_of(Move move) const {
+  // from_none: the threads a move to more adds from none.
+  TunerSetting next_of(Move move, int64_t from_none = 1) const {
     TunerSetting next = setting_;
     switch (move) {
       case Move::kMoreThreads:
-        next.threads += next.threads == 0 ? from_none_ : 1;
+        next.threads += next.threads == 0 ? from_none : 1;
         break;
       case Move::kFewerThreads:
         --next.threads;
@@ -608,9 +604,6 @@ class AutoTuner {
   int64_t carried_trial_windows_ = 0;
   // A deferred trial is logged once per run, not every window.
   bool deferred_logged_ = false;
-  // Threads a move from none adds (observe() decides: 1 to overlap, 2 to
-  // also make items side by side).
-  int64_t from_none_ = 1;
   Move trial_ = Move::kNone;
   // The trial passed its first window and runs a second (see judge()).
   bool confirming_ = false;

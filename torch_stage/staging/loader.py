@@ -27,7 +27,7 @@ import torch.utils.data
 from torch_stage import _C
 from torch_stage.errors import StageClosed, StageError, StageTimeoutError
 from torch_stage.staging import _pytree
-from torch_stage.staging.stage import Stage, staged
+from torch_stage.staging.stage import _DEFAULT_TIMEOUT_MS, Stage, staged
 
 __all__ = ["DataLoader", "STAGING_OPTIONS"]
 
@@ -932,7 +932,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
         autotune: bool = True,
         stage_subgraph_stream_id: int = 1,
         transform: Optional[Callable[[Any], Any]] = None,
-        timeout_millis: int = 300_000,
+        timeout_millis: int = _DEFAULT_TIMEOUT_MS,
         name: Optional[str] = None,
         **loader_kwargs,
     ):

@@ -24,9 +24,11 @@ calls into the stream they fork from and declines a plan that still loses.
 Host costs are measured once per device and process
 (:func:`host_costs`); device times come from the cost model. On a CPU, where
 streams run nothing side by side, the kernels are the nominal accelerator's
-of the cost model and the calls are the CPU's, far cheaper than a GPU's
-(about 0.1 against a few microseconds): a CPU keeps plans a GPU would
-decline. :func:`planning_with` plans with another device's costs.
+of the cost model and the calls are the CPU's, cheaper than a GPU's
+(under a microsecond against a few): a CPU keeps plans a GPU would
+decline. :func:`planning_with` plans with another device's costs. Each
+call is measured where a forward makes it, between two launches: a call
+between ops costs several times what it costs in a loop of calls alone.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class HostCosts:
 
     Attributes:
         launch_us: issuing one small op on the device (what each node of the
-            graph costs the host, with or without streams).
+            graph costs the host, with or without streams): the mean of a
+            small matrix product and an elementwise op.
         fork_join_us: one ``fork`` and its ``join``: once per forward.
         sync_us: a ``sync`` that switches stream, without waits or keeps.
         record_us: recording one event.
@@ -180,7 +183,7 @@ def planning_with(costs: HostCosts) -> Iterator[HostCosts]:
 def host_costs(device: Any = "cpu") -> HostCosts:
     """The host costs of the stream calls on ``device``: those given to an
     open :func:`planning_with`, else measured on the first call for that
-    device in this process (a few milliseconds) and kept."""
+    device in this process (tens of milliseconds) and kept."""
     with _lock:
         if _given:
             return _given[-1]
@@ -208,16 +211,23 @@ def host_costs(device: Any = "cpu") -> HostCosts:
     return found
 
 
-def _per_call(fn, calls: int, rounds: int = 7) -> float:
-    """Microseconds per call of ``fn`` (which makes ``calls`` calls): the
-    median of ``rounds`` timings, after one unmeasured round."""
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
+def _per_call(bodies: Dict[str, Any], calls: int, rounds: int = 15) -> Dict[str, float]:
+    """Microseconds per iteration of each body (which makes ``calls``
+    iterations) over the ``"launching"`` body's, the median of ``rounds``
+    interleaved rounds after one unmeasured one: a machine whose speed
+    drifts during the timing slows a round's bodies alike."""
+    for fn in bodies.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6 / calls
+    extra: Dict[str, List[float]] = {name: [] for name in bodies}
+    for _ in range(rounds):
+        times = {}
+        for name, fn in bodies.items():
+            start = time.perf_counter()
+            fn()
+            times[name] = time.perf_counter() - start
+        for name, t in times.items():
+            extra[name].append((t - (times["launching"] if name != "launching" else 0.0)) * 1e6)
+    return {name: statistics.median(v) / calls for name, v in extra.items()}
 
 
 def _measure(device: torch.device) -> HostCosts:
@@ -230,19 +240,39 @@ def _measure(device: torch.device) -> HostCosts:
 
 
 def _timings(device: torch.device) -> HostCosts:
-    x = torch.ones(1, device=device)
+    # Each call is timed between two launches, a matrix product and an
+    # elementwise op, as a rewritten forward makes it, against the same
+    # launches without it. A call timed in a loop of calls alone cost a
+    # sixth to a third of what it adds between the ops of a forward on this
+    # project's 2-vCPU VM (a sync: 0.12 us alone; 0.3 us between two
+    # one-element negations, 0.6-0.9 us between two small matrix products;
+    # a call to a builtin that does nothing costs as much there), and the
+    # pay rule kept plans whose calls cost more than it thought.
+    x = torch.ones(1, 16, device=device)
+    w = torch.ones(16, 16, device=device)
     probes = (x,)
-    n = 64  # calls per timing
+    n = 64  # iterations per timing, two launches each
+    linear, neg = torch.nn.functional.linear, torch.neg
+
+    def launching():
+        for _ in range(n):
+            linear(x, w)
+            neg(x)
 
     def fork_join():
         for _ in range(n):
-            _ops.join(_ops.fork(2, [1], 0, probes), [1])
+            linear(x, w)
+            run = _ops.fork(2, [1], 0, probes)
+            neg(x)
+            _ops.join(run, [1])
 
     def switching(keep=None):
         def body():
             run = _ops.fork(2, [1], 0, probes)
             for i in range(n):
+                linear(x, w)
                 _ops.sync(run, -1, 1 - i % 2, [], keep)
+                neg(x)
             _ops.join(run, [1])
 
         return body
@@ -250,30 +280,41 @@ def _timings(device: torch.device) -> HostCosts:
     def recording():
         run = _ops.fork(2, [1], n, probes)
         for i in range(n):
+            linear(x, w)
             _ops.record_event(run, i, 0)
+            neg(x)
         _ops.join(run, [1])
 
     def waiting():
         run = _ops.fork(2, [1], n, probes)
         for i in range(n):
+            linear(x, w)
             _ops.record_event(run, i, i % 2)
+            neg(x)
             _ops.sync(run, -1, 1 - i % 2, [i], None)
         _ops.join(run, [1])
 
-    def launching():
-        for _ in range(n):
-            torch.neg(x)
-
-    fj = _per_call(fork_join, n)
+    extra = _per_call(
+        {
+            "launching": launching,
+            "fork_join": fork_join,
+            "switching": switching(),
+            "keeping": switching(probes),
+            "recording": recording,
+            "waiting": waiting,
+        },
+        n,
+    )
+    fj = max(0.0, extra["fork_join"])
     base = fj / n  # each body below holds one fork and join besides its calls
-    sync = max(0.0, _per_call(switching(), n) - base)
-    record = max(0.0, _per_call(recording, n) - base)
-    wait = max(0.0, _per_call(waiting, n) - base - sync - record)
-    keep = max(0.0, _per_call(switching(probes), n) - base - sync)
-    launch = _per_call(launching, n)
+    sync = max(0.0, extra["switching"] - base)
+    record = max(0.0, extra["recording"] - base)
+    wait = max(0.0, extra["waiting"] - base - sync - record)
+    keep = max(0.0, extra["keeping"] - base - sync)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return HostCosts(launch, fj, sync, record, wait, keep, device=str(device))
+    # Two launches an iteration.
+    return HostCosts(extra["launching"] / 2, fj, sync, record, wait, keep, device=str(device))
 
 
 def device_of(module: torch.nn.Module, example_inputs: Optional[Sequence[Any]]) -> torch.device:

@@ -237,10 +237,13 @@ class AutoTuner {
         0.0,
         std::max(wait_per_item, 0.0));
     // The share of inline production spent on the consumer's CPU (-1: none
-    // measured in this window).
+    // measured in this window). At most 1: a read's share stands for the
+    // time since the read before, which may lie in the window before.
     const double inline_cpu = inline_ns > 0 && s.inline_cpu_ns > 0
-        ? static_cast<double>(s.inline_cpu_ns - start_.inline_cpu_ns) /
-            static_cast<double>(inline_ns)
+        ? std::min(
+              static_cast<double>(s.inline_cpu_ns - start_.inline_cpu_ns) /
+                  static_cast<double>(inline_ns),
+              1.0)
         : -1.0;
     start_ = s;
     ++windows_;

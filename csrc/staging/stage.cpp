@@ -401,7 +401,6 @@ struct Stage::State : std::enable_shared_from_this<State> {
   int64_t own_cpu_start_ns = -1; // -1: this item's CPU time is not read
   int64_t own_items = 0;
   int64_t own_unread_ns = 0; // wall time of own items since the last read
-  int64_t own_last_ns = 0;
 
   // Delivery order, guarded by turn_mu.
   std::mutex turn_mu;
@@ -1214,13 +1213,14 @@ TakeStatus Stage::take_for(
   return TakeStatus::kItem;
 }
 
-// Own items' CPU time is read for one in kOwnCpuEvery (a read is a system
-// call, ~0.2 us, more than the rest of an item's bookkeeping), and for every
-// item after one longer than kOwnCpuAlwaysNs; each read's share stands for
-// the wall time since the last read, so the tuner's share of production on
-// the CPU is an estimate over its window.
-constexpr int64_t kOwnCpuEvery = 16;
-constexpr int64_t kOwnCpuAlwaysNs = 50'000;
+// Own items' CPU time is read for the first item, and then for the item
+// after those since the last read took kOwnCpuEveryNs of wall time; each
+// read's share stands for the wall time since the last read, so the
+// tuner's share of production on the CPU is an estimate over its window
+// (at least 50 ms: some fifty reads). A read is a system call (~0.2 us
+// alone, more between the ops of a loop): read for every item over 50 us,
+// as before, each DataLoader batch of 16 or 64 small rows paid two.
+constexpr int64_t kOwnCpuEveryNs = 1'000'000;
 
 bool Stage::begin_own_item() {
   State& st = *state_;
@@ -1234,8 +1234,7 @@ bool Stage::begin_own_item() {
     return false;
   }
   st.consumer_owns = true;
-  st.own_cpu_start_ns =
-      st.own_items % kOwnCpuEvery == 0 || st.own_last_ns >= kOwnCpuAlwaysNs
+  st.own_cpu_start_ns = st.own_items == 0 || st.own_unread_ns >= kOwnCpuEveryNs
       ? thread_cpu_ns()
       : -1;
   st.own_start_ns = now_ns();
@@ -1258,7 +1257,6 @@ void Stage::end_own_item(bool made) {
       ns = now - st.own_start_ns;
       ++st.own_items;
       st.own_unread_ns += ns;
-      st.own_last_ns = ns;
       if (st.own_cpu_start_ns >= 0) {
         const int64_t cpu = thread_cpu_ns();
         if (cpu > 0 && ns > 0) {

@@ -85,6 +85,10 @@ class _SkippingIter:
             value = next(self._it, _END)
             self._ahead = () if value is _END else (value,)
 
+    def passes_through(self) -> bool:
+        """Whether every draw from now on is the sampler's own."""
+        return not self._skip and self._ahead is None
+
     def __next__(self):
         self._skip_now()
         if self._ahead is not None:
@@ -1288,6 +1292,10 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             sampler_iter = getattr(plain, "_sampler_iter", None)
             if user_rng is not None and isinstance(sampler_iter, _SkippingIter):
                 sampler_iter.settle()
+            if isinstance(sampler_iter, _SkippingIter) and sampler_iter.passes_through():
+                # Nothing to skip or replay: the plain iterator draws from
+                # the sampler's own iterator, without a call more a batch.
+                plain._sampler_iter = sampler_iter._it
         finally:
             if user_rng is not None:
                 torch.set_rng_state(user_rng)
@@ -1407,11 +1415,51 @@ class _LoaderIter:
         # and the transform they then get.
         self._own_path = False
         self._own_transform: Optional[Callable[[Any], Any]] = None
+        # The stage's _impl while batches may be made here, else None.
+        self._own_impl = None
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self):
+        impl = self._own_impl
+        if impl is not None:
+            # A batch made here once the watch is over and nothing failed or
+            # waits: _own_batch's steps, written out. Each call between a
+            # batch's own calls cost more than it does alone (a Python frame
+            # or a bound method: a few tenths of a microsecond a batch).
+            epoch = self._epoch
+            if (
+                epoch.draws.watched >= _WATCHED_BATCHES
+                and not epoch.failed
+                and self._pending is None
+                and impl.begin_own_item()
+            ):
+                try:
+                    batch = next(epoch.base)
+                except StopIteration:
+                    epoch.pulled += 1
+                    impl.end_own_item(False)
+                    self._finish()
+                    raise
+                except BaseException:
+                    epoch.pulled += 1
+                    impl.end_own_item(False)
+                    self._count()
+                    raise
+                epoch.pulled += 1
+                transform = self._own_transform
+                if transform is not None:
+                    try:
+                        batch = transform(batch)
+                    except BaseException:
+                        impl.end_own_item(False)
+                        self._count()
+                        raise
+                impl.end_own_item(True)
+                self._taken += 1
+                self._state["consumed"] += 1
+                return batch
         if self._done:
             raise StopIteration
         epoch = self._epoch
@@ -1458,6 +1506,7 @@ class _LoaderIter:
                 # its stream): never made outside it.
                 self._own_path = self._loader._staging_option("device") is None
                 self._own_transform = transform
+                self._own_impl = self._stage._impl if self._own_path else None
             elif self._own_path and self._stage._impl.begin_own_item():
                 # The tuner runs no staging thread and none has a batch on
                 # its way: this one is made here, on the loop's thread, as
@@ -1580,7 +1629,7 @@ class _LoaderIter:
 
     def _close_stage(self) -> None:
         run, stage = self._run, self._stage
-        self._run = self._stage = self._stage_iter = None
+        self._run = self._stage = self._stage_iter = self._own_impl = None
         if run is None:
             return
         loader = self._loader

@@ -371,6 +371,21 @@ TEST(AutoTuner, TrialsTakeAtMostTheirShareOfTheRun) {
   EXPECT_EQ(m.trial_windows, 1);
 }
 
+// A CPU time read stands for the time since the read before, which may lie
+// in the window before: a window's share can come out over 1. It is a
+// share, at most 1 (a loop at 103% was judged compute-bound where the line
+// was drawn at 101%).
+TEST(AutoTuner, TheShareOfProductionOnTheCpuIsAtMostOne) {
+  AutoTuner tuner(sharing_limits(), TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(1.3);
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_FALSE(feed.window(1.0, 0.5));
+  ASSERT_EQ(tuner.log().size(), 1u);
+  EXPECT_NE(tuner.log().front().find("100% on its CPU"), std::string::npos)
+      << tuner.log().front();
+}
+
 // A consumer whose own production mostly waits (here 10% of it on its CPU:
 // reading, worker processes) gets its thread's trial at once: overlapping
 // a wait takes no core from the step.

@@ -19,10 +19,12 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "python/bindings.h"
@@ -607,8 +609,85 @@ py::tuple cpu_generator_fingerprint() {
       d.has_value() ? py::cast(*d) : py::none());
 }
 
+// torch_stage.DataLoader's generator watch reads the global generators at
+// the start of each next() and after each batch made in it; each call
+// between a batch's own calls cost several times what it does alone, and
+// a reading of three generators in Python took six. So one call: torch's
+// CPU generator as above, and the twisters of Python's random and NumPy's
+// legacy global generator read in place, at addresses the Python side
+// found and checked against their getters (torch_stage/staging/loader.py,
+// _Fingerprints). Returns None when sys.modules' numpy is not the one the
+// reader was made for (imported since, or removed): the caller makes a new
+// reader. Holds the objects whose memory it reads. Called with the GIL.
+class GeneratorReader {
+ public:
+  GeneratorReader(
+      py::object random_inst,
+      uintptr_t random_index,
+      uintptr_t random_first,
+      py::object numpy_module,
+      py::object numpy_owner,
+      uintptr_t numpy_pos,
+      uintptr_t numpy_first)
+      : random_inst_(std::move(random_inst)),
+        random_index_(reinterpret_cast<const int*>(random_index)),
+        random_first_(reinterpret_cast<const uint32_t*>(random_first)),
+        numpy_module_(std::move(numpy_module)),
+        numpy_owner_(std::move(numpy_owner)),
+        numpy_pos_(reinterpret_cast<const int*>(numpy_pos)),
+        numpy_first_(reinterpret_cast<const uint32_t*>(numpy_first)) {
+    if (random_index_ == nullptr || random_first_ == nullptr ||
+        (numpy_pos_ == nullptr) != (numpy_first_ == nullptr) ||
+        (numpy_pos_ != nullptr) == numpy_module_.is_none()) {
+      throw py::value_error(
+          "_GeneratorReader: random's addresses, and NumPy's exactly when "
+          "NumPy is given");
+    }
+  }
+
+  py::object read() const {
+    PyObject* numpy = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");
+    if ((numpy != nullptr ? numpy : Py_None) != numpy_module_.ptr()) {
+      return py::none();
+    }
+    py::tuple random = py::make_tuple(
+        *random_index_, *random_first_, random_inst_.attr("gauss_next"));
+    py::object numpy_state = numpy_pos_ == nullptr
+        ? py::object(py::none())
+        : py::object(py::make_tuple(*numpy_pos_, *numpy_first_));
+    return py::make_tuple(cpu_generator_fingerprint(), random, numpy_state);
+  }
+
+ private:
+  py::object random_inst_;
+  const int* random_index_;
+  const uint32_t* random_first_;
+  py::object numpy_module_;
+  py::object numpy_owner_; // keeps the bit generator (numpy_pos_'s memory)
+  const int* numpy_pos_;
+  const uint32_t* numpy_first_;
+};
+
 void init_stage(py::module_& m) {
   m.def("_cpu_generator_fingerprint", &cpu_generator_fingerprint);
+  py::class_<GeneratorReader>(m, "_GeneratorReader")
+      .def(
+          py::init<
+              py::object,
+              uintptr_t,
+              uintptr_t,
+              py::object,
+              py::object,
+              uintptr_t,
+              uintptr_t>(),
+          py::arg("random_inst"),
+          py::arg("random_index"),
+          py::arg("random_first"),
+          py::arg("numpy_module"),
+          py::arg("numpy_owner"),
+          py::arg("numpy_pos"),
+          py::arg("numpy_first"))
+      .def("__call__", &GeneratorReader::read);
   // Garbage-collected: a stage over its owner's method (transform=self.f,
   // or source=self.gen()) is a cycle through C++ that the collector would
   // otherwise never see, and the owner, the stage and its producer threads

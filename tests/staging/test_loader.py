@@ -1,6 +1,7 @@
 """torch_stage.DataLoader: a drop-in torch.utils.data.DataLoader with staging."""
 
 import random
+import sys
 import threading
 import time
 
@@ -365,6 +366,43 @@ def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(gen
     s = loader.stats()
     assert s["tuning"]["trials"] == 0 and s["inline_items"] >= len(plain) - 1, s["tuning"]
     assert reason in s["tuning"]["decisions"][-1], s["tuning"]
+
+
+@pytest.mark.parametrize("generator", list(_DRAWS))
+def test_the_watch_reads_the_generators_with_their_getters_where_their_layout_is_unknown(
+    generator, monkeypatch
+):
+    # Another interpreter or NumPy: the in-place views do not check out,
+    # and the state getters find the same draws.
+    from torch_stage.staging import loader as loader_module
+
+    monkeypatch.setattr(loader_module._Fingerprints, "_random_view", staticmethod(lambda: None))
+    monkeypatch.setattr(loader_module, "_fingerprints", None)
+    draw = _DRAWS[generator]
+    _, plain = _seeded_run(torch.utils.data.DataLoader, draw)
+    loader, ours = _seeded_run(torch_stage.DataLoader, draw)
+    assert not isinstance(loader_module._fingerprints.reader, torch_stage._C._GeneratorReader)
+    assert ours == plain
+    reason = "no staging thread: the batches' making and the training loop both draw"
+    assert any(reason in line for line in loader.stats()["tuning"]["decisions"])
+
+
+def test_a_reading_made_before_numpy_was_imported_is_made_again_after(monkeypatch):
+    from torch_stage.staging import loader as loader_module
+
+    monkeypatch.delitem(sys.modules, "numpy")
+    fingerprints = loader_module._Fingerprints()
+    assert isinstance(fingerprints.reader, torch_stage._C._GeneratorReader)
+    assert fingerprints.read()[2] is None
+    monkeypatch.setitem(sys.modules, "numpy", np)
+    assert fingerprints.reader() is None  # made for no NumPy
+    before = fingerprints.read()
+    np.random.randint(1000)
+    after = fingerprints.read()
+    assert before[2] is not None and before[2] != after[2]
+    assert before[:2] == after[:2]
+    with pytest.raises(ValueError, match="NumPy's exactly when NumPy is given"):
+        torch_stage._C._GeneratorReader(random._inst, 8, 12, None, None, 16, 0)
 
 
 def test_a_dataset_drawing_alone_still_stages_and_a_thread_asked_for_stages():

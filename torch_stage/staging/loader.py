@@ -275,7 +275,7 @@ def _warn(message, category=None, stacklevel=1, source=None, **kwargs):
     if records is None or getattr(_recording, "contexts", 0) > _recording.base:
         # Not producing a batch, or inside a catch_warnings() the batch's
         # own code entered. A warning aimed at a frame of this module (the
-        # plain iterator's length warning, at its caller: _own_batch) is
+        # plain iterator's length warning, at its caller: __next__) is
         # aimed at the consumer's caller, as in the plain DataLoader, which
         # has no frames between them.
         try:
@@ -367,30 +367,31 @@ _GENERATORS = ("torch's CPU generator", "Python's random", "NumPy's global gener
 class _Fingerprints:
     """Readings of the global random generators that a dataset, a sampler,
     a transform or a training loop may draw from, each of which changes with
-    every draw: for torch's CPU generator what its C++ side reads in place
-    (``_C._cpu_generator_fingerprint``), and for Python's ``random``
-    and NumPy's legacy global generator (Mersenne twisters both) the
-    twister's position in its 624 words and its first word (a draw moves
-    the position; 624 of them regenerate the words), plus ``random``'s
-    cached Gaussian.
+    every draw: for torch's CPU generator what its C++ side reads in place,
+    and for Python's ``random`` and NumPy's legacy global generator
+    (Mersenne twisters both) the twister's position in its 624 words and
+    its first word (a draw moves the position; 624 of them regenerate the
+    words), plus ``random``'s cached Gaussian.
 
-    The two twisters are read in place (ctypes views of their C structs)
-    because their state getters copy 2.5 KB into Python objects, 7 us for
-    ``random.getstate()`` and 31 for NumPy's ``get_state()``, at two readings
-    per batch. Each view is checked once against the getter and, if the
-    layout is not the one expected (another interpreter, another NumPy),
-    the getter is used. NumPy's legacy cached Gaussian is not read (it has
-    no reader short of ``get_state()``): a normal draw that takes only the
-    cache goes unseen, its neighbours are seen.
+    One call reads all three (``_C._GeneratorReader``): the twisters are
+    read in place because their state getters copy 2.5 KB into Python
+    objects, 7 us for ``random.getstate()`` and 31 for NumPy's
+    ``get_state()``, at two readings per batch, and each call between a
+    batch's own calls costs several times what it does alone. The addresses
+    are found here and checked once against the getters; if the layout is
+    not the one expected (another interpreter, another NumPy), the getters
+    are used. NumPy's legacy cached Gaussian is not read (it has no reader
+    short of ``get_state()``): a normal draw that takes only the cache goes
+    unseen, its neighbours are seen.
     """
 
     def __init__(self) -> None:
-        self._random = self._random_reader()
         self._numpy_module = None
-        self._numpy = None
+        self.reader = self._make_reader(sys.modules.get("numpy"))
 
     @staticmethod
-    def _random_reader() -> Callable[[], Any]:
+    def _random_view() -> Optional[tuple]:
+        """(the generator, its position's address, its first word's), or None."""
         inst = random._inst  # what random.random() and the rest draw from
         try:
             # _randommodule.c: PyObject_HEAD; int index; uint32_t state[624].
@@ -399,12 +400,14 @@ class _Fingerprints:
             first = ctypes.c_uint32.from_address(base + ctypes.sizeof(ctypes.c_int))
             _, words, _ = inst.getstate()
             if (index.value, first.value) == (words[624], words[0]):
-                return lambda: (index.value, first.value, inst.gauss_next)
-        except Exception:  # noqa: BLE001 (any surprise: the getter below)
+                return inst, base, base + ctypes.sizeof(ctypes.c_int)
+        except Exception:  # noqa: BLE001 (any surprise: the getter)
             pass
-        return inst.getstate
+        return None
 
-    def _numpy_reader(self, numpy) -> Callable[[], Any]:
+    @staticmethod
+    def _numpy_view(numpy) -> Optional[tuple]:
+        """(the bit generator, its position's address, its first word's), or None."""
         legacy = numpy.random.mtrand._rand
         try:
             bits = legacy._bit_generator
@@ -414,27 +417,39 @@ class _Fingerprints:
             pos = ctypes.c_int.from_address(address + 624 * 4)
             _, keys, position, _, _ = legacy.get_state()
             if (pos.value, first.value) == (position, int(keys[0])):
-                # (The views do not keep the generator alive: the default does.)
-                return lambda _owner=bits: (pos.value, first.value)
-        except Exception:  # noqa: BLE001 (any surprise: the getter below)
+                return bits, address + 624 * 4, address
+        except Exception:  # noqa: BLE001 (any surprise: the getter)
             pass
+        return None
 
-        def full():
-            kind, keys, pos, has_gauss, gauss = legacy.get_state()
-            return (pos, keys.tobytes(), has_gauss, gauss)
+    def _make_reader(self, numpy) -> Callable[[], Optional[tuple]]:
+        """A reading in one call where the views hold, else the getters'."""
+        self._numpy_module = numpy
+        random_view = self._random_view()
+        numpy_view = None if numpy is None else self._numpy_view(numpy)
+        if random_view is not None and (numpy is None or numpy_view is not None):
+            owner, pos, first = numpy_view if numpy_view is not None else (None, 0, 0)
+            return _C._GeneratorReader(*random_view, numpy, owner, pos, first)
+        inst = random._inst
+        legacy = None if numpy is None else numpy.random.mtrand._rand
 
-        return full
+        def getters() -> Optional[tuple]:
+            if sys.modules.get("numpy") is not self._numpy_module:
+                return None
+            numpy_state = None
+            if legacy is not None:
+                kind, keys, pos, has_gauss, gauss = legacy.get_state()
+                numpy_state = (pos, keys.tobytes(), has_gauss, gauss)
+            return (_C._cpu_generator_fingerprint(), inst.getstate(), numpy_state)
+
+        return getters
 
     def read(self) -> tuple:
-        numpy = sys.modules.get("numpy")
-        if numpy is not self._numpy_module:
-            self._numpy_module = numpy
-            self._numpy = None if numpy is None else self._numpy_reader(numpy)
-        return (
-            _C._cpu_generator_fingerprint(),
-            self._random(),
-            None if self._numpy is None else self._numpy(),
-        )
+        got = self.reader()
+        if got is None:  # NumPy was imported (or removed) since the reader was made
+            self.reader = self._make_reader(sys.modules.get("numpy"))
+            got = self.reader()
+        return got
 
 
 _fingerprints: Optional[_Fingerprints] = None
@@ -445,13 +460,6 @@ def _generator_states() -> tuple:
     if _fingerprints is None:
         _fingerprints = _Fingerprints()
     return _fingerprints.read()
-
-
-def _drawn_from(before: tuple, after: tuple):
-    """The generators (indices into _GENERATORS) drawn from between two readings."""
-    if before == after:
-        return ()
-    return {k for k in (0, 1, 2) if before[k] != after[k]}
 
 
 class _GlobalDraws:
@@ -491,6 +499,9 @@ class _GlobalDraws:
         # or None where a making elsewhere was under way then.
         self.last: Optional[tuple] = None
         self.watched = 0
+        # A reading found a generator drawn from that it had not seen
+        # drawn there before: limit() may say more (reset by loop_leaves).
+        self.found = False
 
     def watching(self) -> bool:
         return self.watched < _WATCHED_BATCHES
@@ -505,10 +516,19 @@ class _GlobalDraws:
         if self.elsewhere:
             self.last = None
             return
-        now = (_generator_states(), self.made_elsewhere)
+        # (Written out, as next() is: each call costs a batch made in the
+        # loop several times what it costs alone.)
+        states = _fingerprints.reader() if _fingerprints is not None else None
+        if states is None:
+            states = _generator_states()
+        now = (states, self.made_elsewhere)
         last, self.last = self.last, now
-        if drew is not None and last is not None and last[1] == now[1]:
-            drew.update(_drawn_from(last[0], now[0]))
+        if drew is not None and last is not None and last[1] == now[1] and last[0] != states:
+            before = last[0]
+            for k in (0, 1, 2):
+                if k not in drew and before[k] != states[k]:
+                    drew.add(k)
+                    self.found = True
 
     def make(self, drew: Optional[set], fn, arg):
         """``fn(arg)``, a pull or a transform; ``drew``: ``self.pull`` or
@@ -535,9 +555,12 @@ class _GlobalDraws:
         self.loop_thread = threading.get_ident()
         self._read(self.loop)
 
-    def loop_leaves(self) -> None:
-        """At the end of ``next()``."""
+    def loop_leaves(self) -> bool:
+        """At the end of ``next()``: whether a reading since the last found
+        a generator drawn from where it had not been (limit() may say more)."""
         self.watched += 1
+        found, self.found = self.found, False
+        return found
 
     def limit(self) -> Optional[tuple]:
         """(most staging threads, why) for what was seen, or None."""
@@ -1411,32 +1434,41 @@ class _LoaderIter:
         self._pending: Optional[tuple] = None
         self._last_stats: dict = {}
         self._done = False
-        # Whether batches may be made here, outside the stage (_own_batch),
-        # and the transform they then get.
-        self._own_path = False
-        self._own_transform: Optional[Callable[[Any], Any]] = None
-        # The stage's _impl while batches may be made here, else None.
+        # The stage's _impl while batches may be made here, outside the
+        # stage (see __next__), else None; and the transform they then get.
         self._own_impl = None
+        self._own_transform: Optional[Callable[[Any], Any]] = None
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self):
         impl = self._own_impl
-        if impl is not None:
-            # A batch made here once the watch is over and nothing failed or
-            # waits: _own_batch's steps, written out. Each call between a
-            # batch's own calls cost more than it does alone (a Python frame
-            # or a bound method: a few tenths of a microsecond a batch).
-            epoch = self._epoch
-            if (
-                epoch.draws.watched >= _WATCHED_BATCHES
-                and not epoch.failed
-                and self._pending is None
-                and impl.begin_own_item()
-            ):
+        epoch = self._epoch
+        draws = epoch.draws
+        watching = draws.watched < _WATCHED_BATCHES
+        resumed = False
+        if impl is not None and self._pending is None and self._taken not in epoch.failed:
+            # The tuner runs no staging thread and none has a batch on its
+            # way (begin_own_item() is true): this one is made here, on the
+            # loop's thread, as the plain DataLoader makes it (its warnings
+            # and errors straight from the dataset), without the stage's
+            # hand-over; an error or the end is the plain iterator's, and
+            # the stage stays as it was. Written out, draws.make's steps
+            # too: each call between a batch's own calls costs several
+            # times what it does alone (a frame: a few tenths of a
+            # microsecond a batch).
+            if watching:
+                draws.loop_thread = threading.get_ident()
+                draws._read(draws.loop)
+                resumed = True
+            if impl.begin_own_item():
                 try:
-                    batch = next(epoch.base)
+                    try:
+                        batch = next(epoch.base)
+                    finally:
+                        if watching:
+                            draws._read(draws.pull)
                 except StopIteration:
                     epoch.pulled += 1
                     impl.end_own_item(False)
@@ -1451,7 +1483,11 @@ class _LoaderIter:
                 transform = self._own_transform
                 if transform is not None:
                     try:
-                        batch = transform(batch)
+                        batch = (
+                            draws.make(draws.transform, transform, batch)
+                            if watching
+                            else transform(batch)
+                        )
                     except BaseException:
                         impl.end_own_item(False)
                         self._count()
@@ -1459,13 +1495,13 @@ class _LoaderIter:
                 impl.end_own_item(True)
                 self._taken += 1
                 self._state["consumed"] += 1
+                if watching and draws.loop_leaves():
+                    self._limit_threads(draws.limit())
                 return batch
         if self._done:
             raise StopIteration
-        epoch = self._epoch
         index = self._taken
-        draws = epoch.draws
-        if draws.watching():
+        if watching and not resumed:
             draws.loop_resumes()
         # Batches that raised on a staging thread, the stage's skipped
         # transform errors and a run's final error, raise at their position.
@@ -1504,15 +1540,9 @@ class _LoaderIter:
                 self._stage_iter = iter(self._stage)
                 # A batch for `device` is copied by the stage (pinned buffers,
                 # its stream): never made outside it.
-                self._own_path = self._loader._staging_option("device") is None
+                own = self._loader._staging_option("device") is None
+                self._own_impl = self._stage._impl if own else None
                 self._own_transform = transform
-                self._own_impl = self._stage._impl if self._own_path else None
-            elif self._own_path and self._stage._impl.begin_own_item():
-                # The tuner runs no staging thread and none has a batch on
-                # its way: this one is made here, on the loop's thread, as
-                # the plain DataLoader makes it (its warnings and errors
-                # straight from the dataset), without the stage's hand-over.
-                return self._own_batch(epoch)
             elif epoch.known is not None and index >= epoch.known:
                 self._run.demand.release()
             try:
@@ -1563,46 +1593,10 @@ class _LoaderIter:
         # Counted first: under an "error" filter the warning raises instead
         # of the batch, which the plain DataLoader has then used up too.
         self._count()
-        if draws.watching():
+        if draws.watched < _WATCHED_BATCHES and draws.loop_leaves():
             self._limit_threads(draws.limit())
-            draws.loop_leaves()
         if records:
             _reemit(records)
-        return batch
-
-    def _own_batch(self, epoch: _Epoch):
-        """The next batch, made on this thread between the stage's
-        begin_own_item() (true) and end_own_item(): no staging thread pulls
-        meanwhile. An error or the end is the plain iterator's, raised here
-        as the plain DataLoader raises it; the stage stays as it was."""
-        impl = self._stage._impl
-        draws = epoch.draws
-        transform = self._own_transform
-        try:
-            batch = draws.make(draws.pull, next, epoch.base)
-        except StopIteration:
-            epoch.pulled += 1
-            impl.end_own_item(False)
-            self._finish()
-            raise
-        except BaseException:
-            epoch.pulled += 1
-            impl.end_own_item(False)
-            self._count()
-            raise
-        epoch.pulled += 1
-        if transform is not None:
-            try:
-                batch = draws.make(draws.transform, transform, batch)
-            except BaseException:
-                impl.end_own_item(False)
-                self._count()
-                raise
-        impl.end_own_item(True)
-        self._count()
-        if draws.watching():
-            self._limit_threads(draws.limit())
-            draws.loop_leaves()
         return batch
 
     def _limit_threads(self, limit: Optional[tuple]) -> None:

@@ -15,7 +15,9 @@ difference's 95% confidence interval, and the same for plain2 minus plain.
 It also times the generator watch (torch_stage.DataLoader's check, over the
 first 64 batches of an epoch, of whether a batch's making and the loop draw
 from one global random generator): what it adds to a batch made in the
-loop, by itself, with torch, ``random`` and NumPy loaded.
+loop, in place, with torch, ``random`` and NumPy loaded: those batches of
+ours against the same with the watch off, alternated (timed by itself, a
+reading cost a sixth of what it costs between a batch's own calls).
 
 Usage: python benchmarks/dataloader_per_batch.py [--rounds R] [--rows N]
        [--batch-sizes B...] [--workers W...] [--batches N0 NW] [--json PATH]
@@ -24,7 +26,6 @@ Usage: python benchmarks/dataloader_per_batch.py [--rounds R] [--rows N]
 import argparse
 import statistics
 import time
-import timeit
 
 import numpy  # noqa: F401 (loaded, as in most training scripts: the watch reads it)
 import torch
@@ -56,22 +57,37 @@ def make(method: str, dataset, batch_size: int, workers: int):
     return cls(dataset, batch_size=batch_size, num_workers=workers)
 
 
-def watch_us(number: int) -> float:
-    """A batch made in the loop under the watch, less the same without it:
-    the readings at next()'s start and after the making, their comparisons,
-    and the bookkeeping of limit() and loop_leaves()."""
-    draws = _loader._GlobalDraws()
+def _first_batches_us(loader, count: int) -> float:
+    """Microseconds per batch of batches 2..count of an epoch (the clock
+    starts after the first, which makes the stage)."""
+    it = iter(loader)
+    next(it)
+    next(it)
+    start = time.perf_counter()
+    for _ in range(count - 2):
+        next(it)
+    elapsed = time.perf_counter() - start
+    del it
+    return elapsed / (count - 2) * 1e6
 
-    def watched():
-        draws.watched = 0
-        draws.loop_resumes()
-        draws.make(draws.pull, len, ())
-        draws.limit()
-        draws.loop_leaves()
 
-    watched()
-    bare = timeit.timeit(lambda: len(()), number=number)
-    return (timeit.timeit(watched, number=number) - bare) / number * 1e6
+def watch_us(dataset, batch_size: int, rounds: int) -> tuple:
+    """What the generator watch adds to a batch made in the loop while it
+    runs, in place (readings between a batch's own calls cost more than
+    alone): the first _WATCHED_BATCHES batches of ours with the watch,
+    less the same with it off, alternated; (median, 95% interval)."""
+    watched = _loader._WATCHED_BATCHES
+    diffs = []
+    for r in range(rounds):
+        times = {}
+        for on in (r % 2 == 0, r % 2 != 0):
+            _loader._WATCHED_BATCHES = watched if on else 0
+            try:
+                times[on] = _first_batches_us(make("ours", dataset, batch_size, 0), watched)
+            finally:
+                _loader._WATCHED_BATCHES = watched
+        diffs.append(times[True] - times[False])
+    return statistics.median(diffs), median_ci(diffs)[:2]
 
 
 def main() -> None:
@@ -119,7 +135,7 @@ def main() -> None:
                     "rounds": args.rounds,
                 }
             )
-    watch = statistics.median(watch_us(2000) for _ in range(5))
+    watch, watch_ci = watch_us(dataset, args.batch_sizes[0], max(args.rounds, 21))
 
     print(
         f"{'batch':>5} {'workers':>7} {'plain us':>9} {'ours us':>8} {'ours-plain':>11} "
@@ -135,8 +151,20 @@ def main() -> None:
             f"{c['plain2_minus_plain_us']:>+13.1f} {f'[{nlo:+.1f}, {nhi:+.1f}]':>15} "
             f"{c['speed_vs_plain']:>6.3f}"
         )
-    print(f"generator watch: {watch:.1f} us per batch made in the loop (first 64 of an epoch)")
-    emit({"machine": machine(), "cells": cells, "watch_us_per_batch": watch}, args.json)
+    print(
+        f"generator watch: {watch:+.1f} us [{watch_ci[0]:+.1f}, {watch_ci[1]:+.1f}] per batch "
+        f"made in the loop (the first {_loader._WATCHED_BATCHES} of an epoch, batch size "
+        f"{args.batch_sizes[0]}), against the same loader with the watch off"
+    )
+    emit(
+        {
+            "machine": machine(),
+            "cells": cells,
+            "watch_us_per_batch": watch,
+            "watch_us_per_batch_ci": watch_ci,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

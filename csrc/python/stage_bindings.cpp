@@ -35,6 +35,9 @@
 namespace py = pybind11;
 
 namespace torch_stage::python {
+
+class GeneratorWatch; // below, with GeneratorReader
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -364,6 +367,10 @@ class PyStage {
     return *stage_;
   }
 
+  // The generator watch of batches made in the loop (GeneratorWatch, below),
+  // or null; used with the GIL held.
+  std::shared_ptr<GeneratorWatch> watch;
+
   int traverse(visitproc visit, void* arg) {
     return work_->traverse(visit, arg);
   }
@@ -646,8 +653,7 @@ class GeneratorReader {
   }
 
   py::object read() const {
-    PyObject* numpy = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");
-    if ((numpy != nullptr ? numpy : Py_None) != numpy_module_.ptr()) {
+    if (!numpy_unchanged()) {
       return py::none();
     }
     py::tuple random = py::make_tuple(
@@ -658,7 +664,74 @@ class GeneratorReader {
     return py::make_tuple(cpu_generator_fingerprint(), random, numpy_state);
   }
 
+  // What read() returns, as plain values: for GeneratorWatch, which
+  // compares readings without making Python objects.
+  struct Reading {
+    uint64_t seed = 0;
+    int left = 0;
+    uint32_t next = 0;
+    uint32_t first = 0;
+    std::optional<float> normal_float;
+    std::optional<double> normal_double;
+    int random_index = 0;
+    uint32_t random_first = 0;
+    py::object random_gauss; // compared by identity: each gauss() sets a new
+    int numpy_pos = 0;
+    uint32_t numpy_first = 0;
+  };
+
+  // False (and `out` untouched) where read() would return None.
+  bool read(Reading* out) const {
+    if (!numpy_unchanged()) {
+      return false;
+    }
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      auto* impl = gen.get<at::CPUGeneratorImpl>();
+      const at::mt19937_data_pod pod = impl->engine().data();
+      out->seed = pod.seed_;
+      out->left = pod.left_;
+      out->next = pod.next_;
+      out->first = pod.state_[0];
+      out->normal_float = impl->next_float_normal_sample();
+      out->normal_double = impl->next_double_normal_sample();
+    }
+    out->random_index = *random_index_;
+    out->random_first = *random_first_;
+    out->random_gauss = random_inst_.attr("gauss_next");
+    if (numpy_pos_ != nullptr) {
+      out->numpy_pos = *numpy_pos_;
+      out->numpy_first = *numpy_first_;
+    }
+    return true;
+  }
+
+  // The generators (bits: 1 torch's CPU one, 2 Python's random, 4 NumPy's)
+  // whose readings differ.
+  static uint32_t changed(const Reading& a, const Reading& b) {
+    uint32_t bits = 0;
+    if (a.seed != b.seed || a.left != b.left || a.next != b.next ||
+        a.first != b.first || a.normal_float != b.normal_float ||
+        a.normal_double != b.normal_double) {
+      bits |= 1;
+    }
+    if (a.random_index != b.random_index || a.random_first != b.random_first ||
+        !a.random_gauss.is(b.random_gauss)) {
+      bits |= 2;
+    }
+    if (a.numpy_pos != b.numpy_pos || a.numpy_first != b.numpy_first) {
+      bits |= 4;
+    }
+    return bits;
+  }
+
  private:
+  bool numpy_unchanged() const {
+    PyObject* numpy = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");
+    return (numpy != nullptr ? numpy : Py_None) == numpy_module_.ptr();
+  }
+
   py::object random_inst_;
   const int* random_index_;
   const uint32_t* random_first_;
@@ -668,9 +741,75 @@ class GeneratorReader {
   const uint32_t* numpy_first_;
 };
 
+// The watch (torch_stage/staging/loader.py, _GlobalDraws) for batches made
+// in the loop, in the stage calls that bracket them anyway: a reading when
+// the loop asks for a batch (begin_own_item: what changed since the last
+// batch's making ended is the loop's) and one when the making ends
+// (end_own_item: the pull's), with no call of its own. Installed by the
+// loader for a stage without transform while it watches; readings span
+// only batches made this way (a begin_own_item() that fails, with a
+// producer at work, starts over). Used with the GIL held, by the thread
+// that calls the stage's own-item methods.
+class GeneratorWatch {
+ public:
+  explicit GeneratorWatch(std::shared_ptr<GeneratorReader> reader)
+      : reader_(std::move(reader)) {}
+
+  void loop_resumes() {
+    read_into(&loop_);
+  }
+  void made() {
+    read_into(&pull_);
+  }
+  void start_over() {
+    valid_ = false;
+  }
+  // Whether a reading found a generator drawn from where it had not been
+  // seen drawn, or numpy changed in sys.modules (then it reads no more):
+  // once per finding.
+  bool take_news() {
+    const bool news = news_;
+    news_ = false;
+    return news;
+  }
+  py::tuple state() const {
+    return py::make_tuple(loop_, pull_, stale_);
+  }
+
+ private:
+  void read_into(uint32_t* bits) {
+    if (stale_) {
+      return;
+    }
+    GeneratorReader::Reading now;
+    if (!reader_->read(&now)) {
+      stale_ = news_ = true;
+      return;
+    }
+    if (valid_) {
+      const uint32_t found = GeneratorReader::changed(last_, now) & ~*bits;
+      if (found != 0) {
+        *bits |= found;
+        news_ = true;
+      }
+    }
+    last_ = std::move(now);
+    valid_ = true;
+  }
+
+  std::shared_ptr<GeneratorReader> reader_;
+  GeneratorReader::Reading last_;
+  bool valid_ = false;
+  bool stale_ = false;
+  bool news_ = false;
+  uint32_t loop_ = 0;
+  uint32_t pull_ = 0;
+};
+
 void init_stage(py::module_& m) {
   m.def("_cpu_generator_fingerprint", &cpu_generator_fingerprint);
-  py::class_<GeneratorReader>(m, "_GeneratorReader")
+  py::class_<GeneratorReader, std::shared_ptr<GeneratorReader>>(
+      m, "_GeneratorReader")
       .def(
           py::init<
               py::object,
@@ -687,7 +826,7 @@ void init_stage(py::module_& m) {
           py::arg("numpy_owner"),
           py::arg("numpy_pos"),
           py::arg("numpy_first"))
-      .def("__call__", &GeneratorReader::read);
+      .def("__call__", [](const GeneratorReader& r) { return r.read(); });
   // Garbage-collected: a stage over its owner's method (transform=self.f,
   // or source=self.gen()) is a cycle through C++ that the collector would
   // otherwise never see, and the owner, the stage and its producer threads
@@ -854,10 +993,39 @@ void init_stage(py::module_& m) {
       // With the GIL held: neither blocks (see Stage::begin_own_item).
       .def(
           "begin_own_item",
-          [](PyStage& s) { return s.stage().begin_own_item(); })
+          [](PyStage& s) {
+            if (s.watch) {
+              s.watch->loop_resumes();
+            }
+            const bool own = s.stage().begin_own_item();
+            if (!own && s.watch) {
+              s.watch->start_over();
+            }
+            return own;
+          })
       .def(
           "end_own_item",
-          [](PyStage& s, bool made) { s.stage().end_own_item(made); })
+          // True where the generator watch has news (watch_state()).
+          [](PyStage& s, bool made) {
+            if (s.watch) {
+              s.watch->made();
+            }
+            s.stage().end_own_item(made);
+            return s.watch ? s.watch->take_news() : false;
+          })
+      .def(
+          "watch_generators",
+          [](PyStage& s, std::shared_ptr<GeneratorReader> reader) {
+            s.watch =
+                reader ? std::make_shared<GeneratorWatch>(reader) : nullptr;
+          },
+          py::arg("reader").none(true))
+      .def(
+          "watch_state",
+          // (loop bits, pull bits, stale): see GeneratorWatch.
+          [](PyStage& s) {
+            return s.watch ? s.watch->state() : py::make_tuple(0, 0, true);
+          })
       .def("describe", [](PyStage& s) { return s.stage().describe(); })
       .def("buffered", [](PyStage& s) { return s.stage().buffered(); })
       .def_property_readonly(

@@ -12,6 +12,7 @@ import torch.utils.data as tud
 from conftest import devices
 
 import torch_stage
+from torch_stage.staging import loader as _loader
 
 
 class Squares(tud.Dataset):
@@ -366,6 +367,47 @@ def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(gen
     s = loader.stats()
     assert s["tuning"]["trials"] == 0 and s["inline_items"] >= len(plain) - 1, s["tuning"]
     assert reason in s["tuning"]["decisions"][-1], s["tuning"]
+
+
+@pytest.mark.parametrize("generator", list(_DRAWS))
+def test_the_stage_watches_the_generators_of_batches_made_in_the_loop(generator):
+    # The readings for batches the loop makes are the stage's own-item
+    # calls' (no call of their own): they find the loop's draws and the
+    # dataset's apart.
+    draw = _DRAWS[generator]
+    bit = 1 << list(_DRAWS).index(generator)
+    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
+    it = iter(loader)
+    next(it)
+    assert it._own_watch
+    assert it._own_impl.watch_state() == (0, 0, False)
+    next(it)
+    assert it._own_impl.watch_state() == (0, bit, False)  # the dataset drew
+    draw()
+    next(it)
+    assert it._own_impl.watch_state() == (bit, bit, False)  # and the loop
+    reason = "no staging thread: the batches' making and the training loop both draw"
+    assert any(reason in line for line in loader.stats()["tuning"]["decisions"])
+    for _ in range(_loader._WATCHED_BATCHES):
+        next(it)
+    assert not it._own_watch  # the watch is over
+
+
+def test_a_stage_watch_made_before_numpy_was_imported_hands_over(monkeypatch):
+    monkeypatch.delitem(sys.modules, "numpy")
+    monkeypatch.setattr(_loader, "_fingerprints", None)
+    loader = torch_stage.DataLoader(RandomCrops(_DRAWS["numpy"]), batch_size=2)
+    it = iter(loader)
+    next(it)
+    assert it._own_watch
+    monkeypatch.setitem(sys.modules, "numpy", np)
+    next(it)
+    assert not it._own_watch  # stale: the Python watch, with a new reader
+    for _ in it:
+        time.sleep(0.003)
+        np.random.randint(1000)
+    reason = "no staging thread: the batches' making and the training loop both draw from NumPy"
+    assert any(reason in line for line in loader.stats()["tuning"]["decisions"])
 
 
 @pytest.mark.parametrize("generator", list(_DRAWS))

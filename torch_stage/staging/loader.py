@@ -455,6 +455,16 @@ class _Fingerprints:
 _fingerprints: Optional[_Fingerprints] = None
 
 
+def _watch_reader() -> Optional[Any]:
+    """The one-call reader of the generators, where their layout checked
+    out (else None: the getters, which only the Python watch uses)."""
+    global _fingerprints
+    if _fingerprints is None:
+        _fingerprints = _Fingerprints()
+    reader = _fingerprints.reader
+    return reader if isinstance(reader, _C._GeneratorReader) else None
+
+
 def _generator_states() -> tuple:
     global _fingerprints
     if _fingerprints is None:
@@ -1438,6 +1448,9 @@ class _LoaderIter:
         # stage (see __next__), else None; and the transform they then get.
         self._own_impl = None
         self._own_transform: Optional[Callable[[Any], Any]] = None
+        # Whether the stage's own-item calls read the generators for the
+        # watch (GeneratorWatch in csrc/python/stage_bindings.cpp).
+        self._own_watch = False
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -1457,8 +1470,10 @@ class _LoaderIter:
             # the stage stays as it was. Written out, draws.make's steps
             # too: each call between a batch's own calls costs several
             # times what it does alone (a frame: a few tenths of a
-            # microsecond a batch).
-            if watching:
+            # microsecond a batch). With the stage's own watch
+            # (_own_watch), its begin and end read the generators.
+            python_watch = watching and not self._own_watch
+            if python_watch:
                 draws.loop_thread = threading.get_ident()
                 draws._read(draws.loop)
                 resumed = True
@@ -1467,16 +1482,18 @@ class _LoaderIter:
                     try:
                         batch = next(epoch.base)
                     finally:
-                        if watching:
+                        if python_watch:
                             draws._read(draws.pull)
                 except StopIteration:
                     epoch.pulled += 1
-                    impl.end_own_item(False)
+                    if impl.end_own_item(False):
+                        self._watch_news(impl, draws)
                     self._finish()
                     raise
                 except BaseException:
                     epoch.pulled += 1
-                    impl.end_own_item(False)
+                    if impl.end_own_item(False):
+                        self._watch_news(impl, draws)
                     self._count()
                     raise
                 epoch.pulled += 1
@@ -1492,12 +1509,29 @@ class _LoaderIter:
                         impl.end_own_item(False)
                         self._count()
                         raise
-                impl.end_own_item(True)
+                news = impl.end_own_item(True)
                 self._taken += 1
                 self._state["consumed"] += 1
-                if watching and draws.loop_leaves():
-                    self._limit_threads(draws.limit())
+                if python_watch:
+                    if draws.loop_leaves():
+                        self._limit_threads(draws.limit())
+                elif watching:
+                    # The Python watch's last reading is older than the
+                    # stage's readings in between.
+                    draws.last = None
+                    draws.watched += 1
+                    if news:
+                        self._watch_news(impl, draws)
+                    if draws.watched >= _WATCHED_BATCHES and self._own_watch:
+                        impl.watch_generators(None)
+                        self._own_watch = False
                 return batch
+            if self._own_watch:
+                # A producer is at work: the Python watch, which sees where
+                # batches are made, watches from here on.
+                impl.watch_generators(None)
+                self._own_watch = False
+                draws.last = None
         if self._done:
             raise StopIteration
         index = self._taken
@@ -1543,6 +1577,10 @@ class _LoaderIter:
                 own = self._loader._staging_option("device") is None
                 self._own_impl = self._stage._impl if own else None
                 self._own_transform = transform
+                reader = _watch_reader() if own and watching and transform is None else None
+                if reader is not None:
+                    self._own_impl.watch_generators(reader)
+                    self._own_watch = True
             elif epoch.known is not None and index >= epoch.known:
                 self._run.demand.release()
             try:
@@ -1599,6 +1637,19 @@ class _LoaderIter:
             _reemit(records)
         return batch
 
+    def _watch_news(self, impl, draws: _GlobalDraws) -> None:
+        """What the stage's generator watch found, into ``draws``; its
+        limit, applied. A stale watch (NumPy imported since it was made)
+        hands over to the Python watch."""
+        loop, pull, stale = impl.watch_state()
+        draws.loop.update(k for k in (0, 1, 2) if loop >> k & 1)
+        draws.pull.update(k for k in (0, 1, 2) if pull >> k & 1)
+        if stale:
+            impl.watch_generators(None)
+            self._own_watch = False
+            draws.last = None
+        self._limit_threads(draws.limit())
+
     def _limit_threads(self, limit: Optional[tuple]) -> None:
         """A limit on staging threads _GlobalDraws found: kept by the loader
         for its later stages, and applied to this one."""
@@ -1624,6 +1675,7 @@ class _LoaderIter:
     def _close_stage(self) -> None:
         run, stage = self._run, self._stage
         self._run = self._stage = self._stage_iter = self._own_impl = None
+        self._own_watch = False
         if run is None:
             return
         loader = self._loader

@@ -309,9 +309,13 @@ class AutoTuner {
     const bool overlaps_a_wait = setting_.threads == 0 && inline_cpu >= 0 &&
         inline_cpu < limits_.waiting_cpu_share;
     // A loop that does little but gather items has no step for a thread to
-    // slow: a thread more (two from none) is tried whatever the share.
+    // slow: a thread more (two from none) is tried whatever the share. Not
+    // one from none: it could only overlap the gathering, which gains
+    // nothing (its gain passes the margin only where the rest of the step
+    // is within a hair of it, and there a trial lost x0.57 of its window).
     const bool only_gathers = move == Move::kMoreThreads &&
-        rest_per_item <= limits_.gain_margin * per_item;
+        rest_per_item <= limits_.gain_margin * per_item &&
+        (setting_.threads > 0 || from_none == 2);
     const TunerSetting next = next_of(move, from_none);
     const auto why_move = [&] {
       return reason(

@@ -457,6 +457,25 @@ TEST(AutoTuner, TwoThreadsForALoopThatOnlyGathersAreNotHeldToTheShare) {
   EXPECT_EQ(stepping.setting().threads, 1) << stepping.log().back();
 }
 
+// One thread from none can only overlap a loop that only gathers items
+// with nothing: not a free trial. (With the rest of the step at 2.95% its
+// modelled gain, x1.030, passes the margin; the DataLoader's batches of 16
+// rows from a TensorDataset, gathered and dropped, lost x0.57 in it.)
+TEST(AutoTuner, OneThreadFromNoneIsNoFreeTrialForALoopThatOnlyGathers) {
+  AutoTuner tuner(sharing_limits(), TunerSetting{0, 2});
+  Feed feed(tuner);
+  feed.set_inline_cpu(1.0);
+  for (int w = 1; w < 10; ++w) {
+    EXPECT_FALSE(feed.window(1.0, 0.9705)) << tuner.log().back();
+  }
+  EXPECT_EQ(tuner.trials(), 0);
+  ASSERT_EQ(tuner.log().size(), 1u);
+  EXPECT_NE(
+      tuner.log().front().find("window 2: would try 1 thread"),
+      std::string::npos)
+      << tuner.log().front();
+}
+
 TEST(AutoTuner, AConsumerThatOnlyReadsTheSourceGetsNoThread) {
   // All of the production is reading the source (no transform measured):
   // producers would read it in turn, so neither one nor two threads gain.

@@ -806,8 +806,86 @@ class GeneratorWatch {
   uint32_t pull_ = 0;
 };
 
+// _C._own_next(stage, iterator): the DataLoader's batch made in the loop
+// (torch_stage/staging/loader.py, _LoaderIter.__next__) in one call:
+// begin_own_item(), next(iterator), end_own_item(), and the generator
+// watch's readings between them; three calls a batch were one. Returns
+// `stage` itself where begin_own_item() is false (a producer is at work or
+// has a batch on its way: take from the stage). The iterator's exception,
+// or StopIteration at its end, propagates as next() raises it, with no
+// frame of this call. Raw (METH_FASTCALL): the pybind11 call path costs
+// more than the rest of it.
+PyObject* own_next(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2 || !PyIter_Check(args[1])) {
+    PyErr_SetString(
+        PyExc_TypeError,
+        "_own_next(stage, iterator) takes a _Stage and an iterator");
+    return nullptr;
+  }
+  PyStage* s = nullptr;
+  try {
+    s = &py::cast<PyStage&>(py::handle(args[0]));
+  } catch (const py::cast_error&) {
+    PyErr_Format(
+        PyExc_TypeError,
+        "_own_next: the stage must be a _Stage, got %s",
+        Py_TYPE(args[0])->tp_name);
+    return nullptr;
+  }
+  try {
+    if (s->watch) {
+      s->watch->loop_resumes();
+    }
+    if (!s->stage().begin_own_item()) {
+      if (s->watch) {
+        s->watch->start_over();
+      }
+      Py_INCREF(args[0]);
+      return args[0];
+    }
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  }
+  PyObject* item = Py_TYPE(args[1])->tp_iternext(args[1]);
+  // The readings call Python: the iterator's exception waits meanwhile.
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  bool failed = false;
+  try {
+    if (s->watch) {
+      s->watch->made();
+    }
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("torch_stage generator watch");
+    failed = true;
+  }
+  s->stage().end_own_item(item != nullptr);
+  PyErr_Restore(type, value, traceback);
+  if (failed && s->watch) {
+    s->watch->start_over();
+  }
+  if (item == nullptr && !PyErr_Occurred()) {
+    PyErr_SetNone(PyExc_StopIteration);
+  }
+  return item;
+}
+
+PyMethodDef own_next_def[] = {
+    {"_own_next",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(own_next)),
+     METH_FASTCALL,
+     "_own_next(stage, iterator)\n--\n\nA batch made in the loop between "
+     "the stage's begin_own_item() and end_own_item(); the stage itself "
+     "where the loop may not make it."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 void init_stage(py::module_& m) {
   m.def("_cpu_generator_fingerprint", &cpu_generator_fingerprint);
+  if (PyModule_AddFunctions(m.ptr(), own_next_def) != 0) {
+    throw py::error_already_set();
+  }
   py::class_<GeneratorReader, std::shared_ptr<GeneratorReader>>(
       m, "_GeneratorReader")
       .def(
@@ -1020,6 +1098,10 @@ void init_stage(py::module_& m) {
                 reader ? std::make_shared<GeneratorWatch>(reader) : nullptr;
           },
           py::arg("reader").none(true))
+      .def(
+          "watch_news",
+          // Whether the generator watch found something since asked last.
+          [](PyStage& s) { return s.watch ? s.watch->take_news() : false; })
       .def(
           "watch_state",
           // (loop bits, pull bits, stale): see GeneratorWatch.

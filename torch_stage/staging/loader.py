@@ -453,6 +453,7 @@ class _Fingerprints:
 
 
 _fingerprints: Optional[_Fingerprints] = None
+_own_next = _C._own_next
 
 
 def _watch_reader() -> Optional[Any]:
@@ -1473,11 +1474,37 @@ class _LoaderIter:
             # microsecond a batch). With the stage's own watch
             # (_own_watch), its begin and end read the generators.
             python_watch = watching and not self._own_watch
-            if python_watch:
+            one_call = not python_watch and self._own_transform is None
+            if one_call:
+                # All of it in one call (_C._own_next).
+                try:
+                    batch = _own_next(impl, epoch.base)
+                except StopIteration:
+                    epoch.pulled += 1
+                    if watching and impl.watch_news():
+                        self._watch_news(impl, draws)
+                    self._finish()
+                    raise
+                except BaseException:
+                    epoch.pulled += 1
+                    if watching and impl.watch_news():
+                        self._watch_news(impl, draws)
+                    self._count()
+                    raise
+                if batch is not impl:
+                    epoch.pulled += 1
+                    self._taken += 1
+                    self._state["consumed"] += 1
+                    if watching:
+                        self._own_watched(impl, draws, impl.watch_news())
+                    return batch
+            elif python_watch:
                 draws.loop_thread = threading.get_ident()
                 draws._read(draws.loop)
                 resumed = True
-            if impl.begin_own_item():
+            if one_call:
+                pass  # _own_next found a producer at work
+            elif impl.begin_own_item():
                 try:
                     try:
                         batch = next(epoch.base)
@@ -1516,15 +1543,7 @@ class _LoaderIter:
                     if draws.loop_leaves():
                         self._limit_threads(draws.limit())
                 elif watching:
-                    # The Python watch's last reading is older than the
-                    # stage's readings in between.
-                    draws.last = None
-                    draws.watched += 1
-                    if news:
-                        self._watch_news(impl, draws)
-                    if draws.watched >= _WATCHED_BATCHES and self._own_watch:
-                        impl.watch_generators(None)
-                        self._own_watch = False
+                    self._own_watched(impl, draws, news)
                 return batch
             if self._own_watch:
                 # A producer is at work: the Python watch, which sees where
@@ -1636,6 +1655,18 @@ class _LoaderIter:
         if records:
             _reemit(records)
         return batch
+
+    def _own_watched(self, impl, draws: _GlobalDraws, news: bool) -> None:
+        """After a batch the stage's watch saw made."""
+        # The Python watch's last reading is older than the stage's readings
+        # in between.
+        draws.last = None
+        draws.watched += 1
+        if news:
+            self._watch_news(impl, draws)
+        if draws.watched >= _WATCHED_BATCHES and self._own_watch:
+            impl.watch_generators(None)
+            self._own_watch = False
 
     def _watch_news(self, impl, draws: _GlobalDraws) -> None:
         """What the stage's generator watch found, into ``draws``; its

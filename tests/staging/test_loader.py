@@ -715,3 +715,36 @@ def test_transform_takes_batches_of_any_structure_as_collate_fn_does(num_threads
         ]
     )
     assert [b["x"].tolist() for b in ours] == [b["x"].tolist() for b in plain]
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        if i == 150:
+            raise KeyError(f"no item {i}")
+        return i
+
+
+@pytest.mark.parametrize("cls", [tud.DataLoader, torch_stage.DataLoader])
+def test_an_error_of_a_batch_made_in_the_loop_is_the_datasets_own(cls):
+    # Made in one C call (_C._own_next), as next() makes it: the dataset's
+    # exception with its frames, at its batch, and the loop goes on after.
+    it = iter(cls(_FailsAt(), batch_size=1))
+    got = [int(next(it)) for _ in range(150)]
+    with pytest.raises(KeyError, match="no item 150") as info:
+        next(it)
+    assert info.traceback[-1].name == "__getitem__"
+    got += [int(b) for b in it]
+    assert got == [i for i in range(200) if i != 150]
+
+
+def test_the_one_call_batch_refuses_what_is_not_a_stage_and_an_iterator():
+    with pytest.raises(TypeError, match=r"the stage must be a _Stage, got int"):
+        torch_stage._C._own_next(1, iter([]))
+    loader = torch_stage.DataLoader(range(10))
+    it = iter(loader)
+    next(it)
+    with pytest.raises(TypeError, match=r"takes a _Stage and an iterator"):
+        torch_stage._C._own_next(it._own_impl, [1])

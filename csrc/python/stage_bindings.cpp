@@ -742,14 +742,13 @@ class GeneratorReader {
 };
 
 // The watch (torch_stage/staging/loader.py, _GlobalDraws) for batches made
-// in the loop, in the stage calls that bracket them anyway: a reading when
-// the loop asks for a batch (begin_own_item: what changed since the last
-// batch's making ended is the loop's) and one when the making ends
-// (end_own_item: the pull's), with no call of its own. Installed by the
-// loader for a stage without transform while it watches; readings span
-// only batches made this way (a begin_own_item() that fails, with a
-// producer at work, starts over). Used with the GIL held, by the thread
-// that calls the stage's own-item methods.
+// in the loop, inside _own_next, the one call that makes them: a reading
+// when the loop asks for a batch (what changed since the last batch's
+// making ended is the loop's) and one when the making ends (the pull's),
+// with no call of its own. Installed by the loader for a stage without
+// transform while it watches; readings span only batches made this way
+// (a begin_own_item() that fails, with a producer at work, starts over).
+// Used with the GIL held, by the thread that calls _own_next.
 class GeneratorWatch {
  public:
   explicit GeneratorWatch(std::shared_ptr<GeneratorReader> reader)
@@ -1071,26 +1070,10 @@ void init_stage(py::module_& m) {
       // With the GIL held: neither blocks (see Stage::begin_own_item).
       .def(
           "begin_own_item",
-          [](PyStage& s) {
-            if (s.watch) {
-              s.watch->loop_resumes();
-            }
-            const bool own = s.stage().begin_own_item();
-            if (!own && s.watch) {
-              s.watch->start_over();
-            }
-            return own;
-          })
+          [](PyStage& s) { return s.stage().begin_own_item(); })
       .def(
           "end_own_item",
-          // True where the generator watch has news (watch_state()).
-          [](PyStage& s, bool made) {
-            if (s.watch) {
-              s.watch->made();
-            }
-            s.stage().end_own_item(made);
-            return s.watch ? s.watch->take_news() : false;
-          })
+          [](PyStage& s, bool made) { s.stage().end_own_item(made); })
       .def(
           "watch_generators",
           [](PyStage& s, std::shared_ptr<GeneratorReader> reader) {

@@ -1449,7 +1449,7 @@ class _LoaderIter:
         # stage (see __next__), else None; and the transform they then get.
         self._own_impl = None
         self._own_transform: Optional[Callable[[Any], Any]] = None
-        # Whether the stage's own-item calls read the generators for the
+        # Whether _C._own_next reads the generators for the
         # watch (GeneratorWatch in csrc/python/stage_bindings.cpp).
         self._own_watch = False
 
@@ -1472,7 +1472,7 @@ class _LoaderIter:
             # too: each call between a batch's own calls costs several
             # times what it does alone (a frame: a few tenths of a
             # microsecond a batch). With the stage's own watch
-            # (_own_watch), its begin and end read the generators.
+            # (_own_watch), _own_next reads the generators.
             python_watch = watching and not self._own_watch
             one_call = not python_watch and self._own_transform is None
             if one_call:
@@ -1498,53 +1498,50 @@ class _LoaderIter:
                     if watching:
                         self._own_watched(impl, draws, impl.watch_news())
                     return batch
-            elif python_watch:
-                draws.loop_thread = threading.get_ident()
-                draws._read(draws.loop)
-                resumed = True
-            if one_call:
-                pass  # _own_next found a producer at work
-            elif impl.begin_own_item():
-                try:
+            else:
+                # A transform, or the Python watch (the stage's own reads
+                # only for batches without transform): the same steps in
+                # three calls.
+                if python_watch:
+                    draws.loop_thread = threading.get_ident()
+                    draws._read(draws.loop)
+                    resumed = True
+                if impl.begin_own_item():
                     try:
-                        batch = next(epoch.base)
-                    finally:
-                        if python_watch:
-                            draws._read(draws.pull)
-                except StopIteration:
-                    epoch.pulled += 1
-                    if impl.end_own_item(False):
-                        self._watch_news(impl, draws)
-                    self._finish()
-                    raise
-                except BaseException:
-                    epoch.pulled += 1
-                    if impl.end_own_item(False):
-                        self._watch_news(impl, draws)
-                    self._count()
-                    raise
-                epoch.pulled += 1
-                transform = self._own_transform
-                if transform is not None:
-                    try:
-                        batch = (
-                            draws.make(draws.transform, transform, batch)
-                            if watching
-                            else transform(batch)
-                        )
+                        try:
+                            batch = next(epoch.base)
+                        finally:
+                            if python_watch:
+                                draws._read(draws.pull)
+                    except StopIteration:
+                        epoch.pulled += 1
+                        impl.end_own_item(False)
+                        self._finish()
+                        raise
                     except BaseException:
+                        epoch.pulled += 1
                         impl.end_own_item(False)
                         self._count()
                         raise
-                news = impl.end_own_item(True)
-                self._taken += 1
-                self._state["consumed"] += 1
-                if python_watch:
-                    if draws.loop_leaves():
+                    epoch.pulled += 1
+                    transform = self._own_transform
+                    if transform is not None:
+                        try:
+                            batch = (
+                                draws.make(draws.transform, transform, batch)
+                                if watching
+                                else transform(batch)
+                            )
+                        except BaseException:
+                            impl.end_own_item(False)
+                            self._count()
+                            raise
+                    impl.end_own_item(True)
+                    self._taken += 1
+                    self._state["consumed"] += 1
+                    if python_watch and draws.loop_leaves():
                         self._limit_threads(draws.limit())
-                elif watching:
-                    self._own_watched(impl, draws, news)
-                return batch
+                    return batch
             if self._own_watch:
                 # A producer is at work: the Python watch, which sees where
                 # batches are made, watches from here on.

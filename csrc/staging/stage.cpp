@@ -238,6 +238,7 @@ void give_back_slot() {
 namespace {
 
 enum class Phase : int {
+  kNotStarted,
   kStarting,
   kWaitingForPool,
   kPulling,
@@ -251,6 +252,9 @@ enum class Phase : int {
 
 const char* phase_text(Phase p) {
   switch (p) {
+    case Phase::kNotStarted:
+      return "not started (it starts with the stage, or when auto-tuning "
+             "first lets it work)";
     case Phase::kStarting:
       return "starting";
     case Phase::kWaitingForPool:
@@ -277,7 +281,7 @@ const char* phase_text(Phase p) {
 }
 
 struct ProducerStatus {
-  std::atomic<int> phase{static_cast<int>(Phase::kStarting)};
+  std::atomic<int> phase{static_cast<int>(Phase::kNotStarted)};
   std::atomic<int64_t> index{-1};
   std::atomic<int64_t> since_ns{0};
   std::atomic<bool> exited{false};
@@ -378,11 +382,17 @@ struct Stage::State : std::enable_shared_from_this<State> {
   int32_t range_pull, range_process, range_copy, range_put, range_take,
       counter_occupancy, trace_info;
 
-  // Lifecycle, guarded by life_mu.
+  // Lifecycle, guarded by life_mu. Producers 0..spawned-1 were started
+  // (threads holds them until close() takes them to join), under the
+  // thread-local state of the thread that started the stage.
   std::mutex life_mu;
   bool started = false;
   bool closed = false;
   std::vector<std::thread> threads;
+  int64_t spawned = 0;
+  int64_t first_setting = 0; // threads start() started (or was refused)
+  std::string refused; // why the last thread started late was refused
+  std::shared_ptr<at::ThreadLocalState> starter;
   std::atomic<bool> stop{false};
 
   // The source, guarded by source_mu.
@@ -413,7 +423,8 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::condition_variable clients_cv;
   int64_t takers = 0;
 
-  // Producer exits, guarded by exit_mu.
+  // Producer exits, guarded by exit_mu: `live` counts the producers
+  // started and not yet exited.
   std::mutex exit_mu;
   std::condition_variable exit_cv;
   int64_t live = 0;
@@ -504,6 +515,31 @@ struct Stage::State : std::enable_shared_from_this<State> {
       active.store(setting.threads);
     }
     gate_cv.notify_all();
+    std::string why;
+    int64_t started_threads = 0;
+    {
+      std::lock_guard<std::mutex> lock(life_mu);
+      if (spawn_up_to(setting.threads)) {
+        return;
+      }
+      why = refused;
+      started_threads = spawned;
+    }
+    // Requires tune_mu held (as every caller of apply holds it). The
+    // started threads are at least the first setting's, which the tuner's
+    // minimum bounds: the bounded setting starts no thread.
+    if (tuner->set_max_threads(started_threads, why) &&
+        tuner->setting().threads <= started_threads) {
+      apply(tuner->setting());
+    }
+    warning(c10::str(
+        "stage '",
+        options.name,
+        "': ",
+        why,
+        "; auto-tuning goes on with at most ",
+        started_threads,
+        " thread(s)"));
   }
 
   // A consumer's loop runs from its first take's start (making the first
@@ -878,9 +914,13 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // change (live, in_flight), so one of them sees the other's. Not when
   // close() stopped the stage: consumers must see "closed", which the
   // cancel that close() issues right after setting `stop` reports.
+  // (With no producer started, live is 0 from the start: only the end of
+  // the source makes it the end of the stream.)
   void end_stream_if_done() {
     std::lock_guard<std::mutex> lock(exit_mu);
-    if (live == 0 && in_flight.load() == 0 && !stop.load()) {
+    if (live == 0 && in_flight.load() == 0 && source_done_flag.load() &&
+        !stop.load()) {
+      finished.store(true);
       buffer.close();
     }
   }
@@ -891,7 +931,6 @@ struct Stage::State : std::enable_shared_from_this<State> {
       return;
     }
     started = true;
-    live = options.num_threads;
     if (trace::enabled()) {
       trace::Record r;
       r.start_ns = r.end_ns = trace::now_ns();
@@ -901,22 +940,66 @@ struct Stage::State : std::enable_shared_from_this<State> {
       r.b = options.num_threads;
       trace::record(r);
     }
+    starter = std::make_shared<at::ThreadLocalState>();
+    first_setting = active.load();
+    spawn_up_to(first_setting);
+  }
+
+  // Starts producers up to `count` (of num_threads): all of them at start()
+  // without auto-tuning; with it, those its setting lets work, the rest
+  // when a later setting first does. A thread that would only park costs
+  // its start (some 50 us) and a core's worth of wake-ups at the start of
+  // every epoch of a loop the tuner keeps on the consumer's thread.
+  // Returns false when the system refused one after the first setting's
+  // (`refused` says why). Requires life_mu held.
+  bool spawn_up_to(int64_t count) {
+    // After the source's end a producer would only exit.
+    if (!started || closed || stop.load() || source_done_flag.load()) {
+      return true;
+    }
+    count = std::min(count, options.num_threads);
     auto self = shared_from_this();
-    auto starter = std::make_shared<at::ThreadLocalState>();
-    for (int64_t i = 0; i < options.num_threads; ++i) {
+    while (spawned < count) {
+      const int64_t i = spawned;
+      statuses[i].set(Phase::kStarting);
+      {
+        // Counted before it runs: it may exit at once (the source ended).
+        std::lock_guard<std::mutex> lock(exit_mu);
+        ++live;
+      }
       try {
+        if (options.refuse_threads_from >= 0 &&
+            i >= options.refuse_threads_from) {
+          throw std::system_error(
+              std::make_error_code(std::errc::resource_unavailable_try_again),
+              "refused by StageOptions::refuse_threads_from");
+        }
         // Each thread owns a reference: a producer stuck in user code past
         // close() keeps the state it uses alive.
         threads.emplace_back(
-            [self, starter, i] { self->produce(i, *starter); });
-        // Named here too, so that the threads are visible under their names
-        // once start() returns (a parked producer may not run for a while).
-        pthread_setname_np(
-            threads.back().native_handle(), kernel_name(i).c_str());
+            [self, starter = starter, i] { self->produce(i, *starter); });
       } catch (const std::system_error& e) {
-        refuse_start(i, e);
+        if (i < first_setting) {
+          refuse_start(i, e);
+        }
+        // A later setting's thread: the items taken so far are the
+        // consumers', and the threads started go on.
+        {
+          std::lock_guard<std::mutex> lock(exit_mu);
+          --live;
+        }
+        statuses[i].set(Phase::kNotStarted);
+        refused = c10::str(
+            "the system refused producer thread ", i, " (", e.what(), ")");
+        return false;
       }
+      ++spawned;
+      // Named here too, so that the threads are visible under their names
+      // once start() returns (a parked producer may not run for a while).
+      pthread_setname_np(
+          threads.back().native_handle(), kernel_name(i).c_str());
     }
+    return true;
   }
 
   // The system refused producer `first` (and so the rest): the stage is
@@ -925,12 +1008,13 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // Requires life_mu held.
   [[noreturn]] void refuse_start(int64_t first, const std::system_error& e) {
     for (auto i = static_cast<size_t>(first); i < statuses.size(); ++i) {
+      statuses[i].set(Phase::kExited);
       statuses[i].exited.store(true);
     }
     stop.store(true);
     {
       std::lock_guard<std::mutex> lock(exit_mu);
-      live -= options.num_threads - first;
+      --live; // producer `first`, counted before its start
       if (live == 0) {
         finished.store(true);
       }

@@ -188,9 +188,11 @@ class StagePools {
 };
 
 // Auto-tuning (StageOptions::auto_tune; AutoTuner in auto_tuner.h says how
-// it decides). All `num_threads` producer threads exist from start(); the
-// tuner lets `threads` of them work (the others park) and sets the buffer's
-// capacity, from the consumers' take(). With `threads` 0 a consumer that
+// it decides). The tuner lets `threads` of the `num_threads` producers work
+// (the others park) and sets the buffer's capacity, from the consumers'
+// take(). A producer thread starts when a setting first lets it work (at
+// start() for the initial setting): a stage the tuner keeps at no thread
+// starts none. With `threads` 0 a consumer that
 // finds the buffer empty and no item in flight produces the next item
 // itself, on its own thread, inside take() (as a single-process DataLoader
 // does): that work is the consumer's, so take()'s timeout does not bound it,
@@ -236,6 +238,9 @@ struct StageOptions {
   // Start from what an earlier stage's tuner learnt (Stage::tuning_memory;
   // clamped to these bounds) instead of initial_threads and capacity.
   std::optional<TunerMemory> tuning_memory;
+  // Fault injection (tests): producers from this one on are refused as the
+  // system refuses a thread (std::system_error); -1: none.
+  int64_t refuse_threads_from = -1;
 };
 
 struct StageStats {
@@ -307,7 +312,10 @@ class Stage {
   Stage(const Stage&) = delete;
   Stage& operator=(const Stage&) = delete;
 
-  // Starts the producer threads (idempotent).
+  // Starts the producer threads the setting lets work: all of them without
+  // auto-tuning (idempotent). The system refusing one is an error here;
+  // refused later, when auto-tuning first lets it work, the tuner keeps to
+  // the threads started and the warning callback says why.
   void start();
   // start(), and where no producer is at work (auto-tuning settled on, or
   // started with, none: consumers make items themselves), makes one item

@@ -11,7 +11,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <future>
+#include <mutex>
 #include <random>
 #include <set>
 #include <string>
@@ -389,14 +392,112 @@ TEST(Stage, AutoTunedErrorArrivesAtItsPositionWhoeverProducedIt) {
   }
 }
 
-TEST(Stage, WithNoThreadTheConsumerProducesAndProducersPark) {
+// Threads of this process whose kernel name begins with `prefix`.
+int64_t threads_named(const std::string& prefix) {
+  int64_t n = 0;
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    if (std::getline(comm, name) && name.rfind(prefix, 0) == 0) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+TEST(Stage, WithNoThreadTheConsumerProducesAndNoProducerStarts) {
   auto work = std::make_shared<CountingWork>(50);
-  Stage stage(no_thread(3), work);
-  EXPECT_EQ(drain(stage), iota(50));
+  auto o = no_thread(3);
+  o.name = "idle";
+  Stage stage(o, work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  EXPECT_TRUE(stage.started());
+  EXPECT_EQ(threads_named("ts:idle:"), 0);
+  EXPECT_NE(stage.describe().find("producer 2: not started"), std::string::npos)
+      << stage.describe();
+  auto rest = drain(stage);
+  EXPECT_EQ(rest.size(), 49u);
   EXPECT_EQ(work->consumer_pulls.load(), 51); // the end too
   EXPECT_EQ(stage.stats().inline_items, 50); // items, not the end
   EXPECT_EQ(stage.stats().threads, 0);
-  EXPECT_TRUE(stage.stats().finished); // parked producers saw the end
+  EXPECT_TRUE(stage.stats().finished); // the consumer ended the stream
+  stage.close();
+  EXPECT_TRUE(stage.quiescent());
+}
+
+TEST(Stage, AProducerThreadStartsWhenTheTunerFirstLetsItWork) {
+  auto work = std::make_shared<CountingWork>(200000);
+  auto o = restless(2, 0);
+  o.name = "late";
+  Stage stage(o, work);
+  StageItem item;
+  ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  int64_t most = threads_named("ts:late:");
+  EXPECT_EQ(most, 0);
+  // Windows of one item: the tuner tries a thread within a few items.
+  for (int i = 0; i < 2000 && most < 2; ++i) {
+    ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    most = std::max(most, threads_named("ts:late:"));
+  }
+  EXPECT_GE(most, 1) << log_of(stage);
+  EXPECT_LE(most, 2);
+  stage.close();
+  EXPECT_TRUE(stage.quiescent());
+  EXPECT_EQ(threads_named("ts:late:"), 0);
+}
+
+TEST(Stage, AThreadRefusedWhenTheTunerAddsItLeavesTheTunerFewer) {
+  auto work = std::make_shared<CountingWork>(3000);
+  work->jitter = true;
+  auto o = restless(4, 0);
+  o.refuse_threads_from = 1;
+  Stage stage(o, work);
+  std::vector<std::string> warnings;
+  std::mutex mu;
+  stage.set_warning_handler([&](const std::string& w) {
+    std::lock_guard<std::mutex> lock(mu);
+    warnings.push_back(w);
+  });
+  // Every item arrives, in order, whoever made it.
+  EXPECT_EQ(drain(stage, std::chrono::microseconds(500)), iota(3000))
+      << log_of(stage);
+  ASSERT_FALSE(warnings.empty()) << log_of(stage);
+  EXPECT_NE(
+      warnings[0].find("the system refused producer thread 1"),
+      std::string::npos)
+      << warnings[0];
+  EXPECT_NE(
+      warnings[0].find("auto-tuning goes on with at most 1 thread(s)"),
+      std::string::npos)
+      << warnings[0];
+  EXPECT_EQ(warnings.size(), 1u); // the bound holds: no second refusal
+  EXPECT_LE(stage.stats().threads, 1);
+}
+
+TEST(Stage, AThreadRefusedAtStartIsAnErrorAndTheStageCloses) {
+  auto work = std::make_shared<CountingWork>(100);
+  auto o = options(2, 3);
+  o.refuse_threads_from = 1;
+  Stage stage(o, work);
+  StageItem item;
+  try {
+    stage.take(item);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "refused to start producer thread 1 of num_threads=3"),
+        std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(stage.take(item), TakeStatus::kClosed);
+  const auto start = std::chrono::steady_clock::now();
+  stage.close();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_TRUE(stage.quiescent());
 }
 
 TEST(Stage, AConsumerMakesItsOwnItemsOnlyWhereNoThreadMayWork) {
@@ -483,10 +584,17 @@ TEST(Stage, CloseWhileAConsumerMakesItsOwnItemReturnsAtOnce) {
 
 TEST(Stage, CloseReleasesParkedProducersAtOnce) {
   auto work = std::make_shared<CountingWork>(1'000'000);
-  Stage stage(no_thread(4), work);
+  auto o = no_thread(4);
+  o.initial_threads = 4; // started, then parked by the limit
+  Stage stage(o, work);
   StageItem item;
   ASSERT_EQ(stage.take(item), TakeStatus::kItem);
-  // The producers park as soon as they run (they may not have yet).
+  stage.limit_threads(0, "parked by the test");
+  // Each producer finishes the item it holds (the buffer holds two) and
+  // parks (or parks as soon as it runs: it may not have yet).
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_EQ(stage.take(item), TakeStatus::kItem);
+  }
   const auto until = std::chrono::steady_clock::now() + 10s;
   while (stage.describe().find("producer 3: parked") == std::string::npos &&
          std::chrono::steady_clock::now() < until) {

@@ -40,7 +40,9 @@ def _gone(what: str) -> float:
 
 
 def _running(what: str, workers: int) -> None:
-    # Otherwise the checks that they are gone could not fail.
+    # Otherwise the checks that they are gone could not fail. (Hence
+    # num_threads in the loaders below: auto-tuned staging threads start
+    # only where the tuner tries one.)
     check(stage_threads() > 0, f"{what}: no staging thread seen while it ran")
     check(child_processes() >= workers, f"{what}: {workers} workers expected while it ran")
 
@@ -56,7 +58,7 @@ def break_out():
             break
     figures["staged_s"] = _gone("break out of staged()")
     for workers in (0, 2):
-        loader = torch_stage.DataLoader(Squares(), batch_size=4, num_workers=workers)
+        loader = torch_stage.DataLoader(Squares(), batch_size=4, num_workers=workers, num_threads=2)
         for i, _ in enumerate(loader):
             if i == 0:
                 _running(f"DataLoader(num_workers={workers})", workers)
@@ -122,13 +124,15 @@ def dropped_iterator():
     workers stay until the loader goes, as in the plain class."""
     figures = {}
     for workers in (0, 2):
-        loader = torch_stage.DataLoader(Squares(), batch_size=4, num_workers=workers)
+        loader = torch_stage.DataLoader(Squares(), batch_size=4, num_workers=workers, num_threads=2)
         it = iter(loader)
         next(it)
         _running(f"iterator (num_workers={workers})", workers)
         del it
         figures[f"workers{workers}_s"] = _gone(f"dropped iterator, num_workers={workers}")
-    loader = torch_stage.DataLoader(Squares(), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = torch_stage.DataLoader(
+        Squares(), batch_size=4, num_workers=2, persistent_workers=True, num_threads=2
+    )
     it = iter(loader)
     next(it)
     del it
@@ -149,7 +153,12 @@ def del_loader():
     figures = {}
     for persistent in (False, True):
         loader = torch_stage.DataLoader(
-            Squares(), batch_size=4, num_workers=2, persistent_workers=persistent, capacity=2
+            Squares(),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=persistent,
+            capacity=2,
+            num_threads=2,
         )
         it = iter(loader)
         for _ in range(5):

@@ -629,7 +629,10 @@ def settles_to(expected, within=1.0):
 def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
     before = settles_to(census())
     bad = (5,) if how == "after-error" else ()  # an error ends a stage's threads
-    made = loader(cls, Failing(bad=bad), batch_size=2, num_workers=num_workers)
+    # Staging threads asked for: auto-tuned ones start only where a trial
+    # begins (test_a_loop_the_tuner_keeps_starts_no_staging_thread).
+    staging = {"num_threads": 2}
+    made = loader(cls, Failing(bad=bad), staging, batch_size=2, num_workers=num_workers)
     if how == "after-error":
         it = iter(made)
         assert [o[0] for o in outcomes(it, 4)] == ["batch", "batch", "error", "batch"]
@@ -644,6 +647,19 @@ def test_dropping_the_iterator_stops_threads_and_workers(cls, num_workers, how):
         for _ in made:
             break
     assert settles_to(before) == before
+
+
+@timeout
+def test_a_loop_the_tuner_keeps_starts_no_staging_thread():
+    # Batches made in the loop, as the plain class makes them, in an epoch
+    # too short for the tuner's first window: no thread is tried, and none
+    # is started (its start would cost each epoch some 100 us).
+    before = settles_to(census())
+    made = torch_stage.DataLoader(Failing(bad=()), batch_size=2)
+    for i, _ in enumerate(made):
+        assert census() == before, i
+    assert made.stats()["threads"] == 0
+    assert made.stats()["inline_items"] > 0
 
 
 @timeout

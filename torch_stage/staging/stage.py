@@ -733,8 +733,9 @@ _DEFAULT_TIMEOUT_MS = 300_000
 # Auto-tuning's bounds: capacity from 2 up to 16 items and a memory budget
 # of 1/16 of the machine's memory, at most 2 GiB, over the first item's size.
 _AUTO_CAPACITY = (2, 16)
-# At most this many producer threads, however many cores: each exists (parked
-# when unused) for the stage's life, and stages chain.
+# At most this many producer threads, however many cores: each, once a
+# setting used it, exists (parked when unused) for the stage's life, and
+# stages chain.
 _AUTO_MAX_THREADS = 8
 _BUDGET_FRACTION = 16
 _BUDGET_MAX = 2 << 30

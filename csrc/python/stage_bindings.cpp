@@ -594,26 +594,76 @@ std::optional<c10::Device> parse_device(const py::object& device) {
 
 } // namespace
 
-// What changes with every draw from torch's default CPU generator, read in
-// place: its state through get_state() is a 5 KB tensor made per reading,
-// and torch_stage.DataLoader's generator watch reads twice per batch. The
+// The default CPU generator's twister, read in place.
+// CPUGeneratorImpl::engine() and mt19937_engine::data() each return a copy
+// (2.5 KB: the 624 words), and the DataLoader's generator watch reads twice
+// per batch, after a batch's own work has pushed those words out of the
+// cache. The members are private: pointers to them, taken the way explicit
+// instantiation allows (its access checks are waived, [temp.explicit]);
+// a torch that renamed them fails to build here, not at run time.
+template <typename Tag, typename Tag::type Member>
+struct MemberOf {
+  friend typename Tag::type member(Tag) {
+    return Member;
+  }
+};
+struct EngineOf {
+  using type = at::mt19937 at::CPUGeneratorImpl::*;
+  friend type member(EngineOf);
+};
+struct TwisterOf {
+  using type = at::mt19937_data_pod at::mt19937::*;
+  friend type member(TwisterOf);
+};
+template struct MemberOf<EngineOf, &at::CPUGeneratorImpl::engine_>;
+template struct MemberOf<TwisterOf, &at::mt19937::data_>;
+
+// What changes with every draw from torch's default CPU generator: the
 // twister's position and next word (each draw moves them; a regeneration
 // of the words after 624 draws changes the first), and the cached normal
 // samples, which a draw may take without moving the twister.
+struct CpuGeneratorReading {
+  uint64_t seed = 0;
+  int left = 0;
+  uint32_t next = 0;
+  uint32_t first = 0;
+  std::optional<float> normal_float;
+  std::optional<double> normal_double;
+
+  bool operator!=(const CpuGeneratorReading& o) const {
+    return seed != o.seed || left != o.left || next != o.next ||
+        first != o.first || normal_float != o.normal_float ||
+        normal_double != o.normal_double;
+  }
+};
+
+CpuGeneratorReading read_cpu_generator() {
+  // (By reference: a copy of the Generator is two atomic count changes.)
+  auto* impl = at::detail::getDefaultCPUGenerator().get<at::CPUGeneratorImpl>();
+  std::lock_guard<std::mutex> lock(impl->mutex_);
+  const at::mt19937_data_pod& pod =
+      (impl->*member(EngineOf{})).*member(TwisterOf{});
+  CpuGeneratorReading r;
+  r.seed = pod.seed_;
+  r.left = pod.left_;
+  r.next = pod.next_;
+  r.first = pod.state_[0];
+  r.normal_float = impl->next_float_normal_sample();
+  r.normal_double = impl->next_double_normal_sample();
+  return r;
+}
+
+// read_cpu_generator() for Python (torch_stage/staging/loader.py reads it
+// where the in-place reader of the other generators is not made).
 py::tuple cpu_generator_fingerprint() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  auto* impl = gen.get<at::CPUGeneratorImpl>();
-  const at::mt19937_data_pod pod = impl->engine().data();
-  const auto f = impl->next_float_normal_sample();
-  const auto d = impl->next_double_normal_sample();
+  const CpuGeneratorReading r = read_cpu_generator();
   return py::make_tuple(
-      pod.seed_,
-      pod.left_,
-      pod.next_,
-      pod.state_[0],
-      f.has_value() ? py::cast(*f) : py::none(),
-      d.has_value() ? py::cast(*d) : py::none());
+      r.seed,
+      r.left,
+      r.next,
+      r.first,
+      r.normal_float.has_value() ? py::cast(*r.normal_float) : py::none(),
+      r.normal_double.has_value() ? py::cast(*r.normal_double) : py::none());
 }
 
 // torch_stage.DataLoader's generator watch reads the global generators at
@@ -657,7 +707,7 @@ class GeneratorReader {
       return py::none();
     }
     py::tuple random = py::make_tuple(
-        *random_index_, *random_first_, random_inst_.attr("gauss_next"));
+        *random_index_, *random_first_, random_inst_.attr(gauss_next_));
     py::object numpy_state = numpy_pos_ == nullptr
         ? py::object(py::none())
         : py::object(py::make_tuple(*numpy_pos_, *numpy_first_));
@@ -667,12 +717,7 @@ class GeneratorReader {
   // What read() returns, as plain values: for GeneratorWatch, which
   // compares readings without making Python objects.
   struct Reading {
-    uint64_t seed = 0;
-    int left = 0;
-    uint32_t next = 0;
-    uint32_t first = 0;
-    std::optional<float> normal_float;
-    std::optional<double> normal_double;
+    CpuGeneratorReading torch;
     int random_index = 0;
     uint32_t random_first = 0;
     py::object random_gauss; // compared by identity: each gauss() sets a new
@@ -685,21 +730,10 @@ class GeneratorReader {
     if (!numpy_unchanged()) {
       return false;
     }
-    auto gen = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      auto* impl = gen.get<at::CPUGeneratorImpl>();
-      const at::mt19937_data_pod pod = impl->engine().data();
-      out->seed = pod.seed_;
-      out->left = pod.left_;
-      out->next = pod.next_;
-      out->first = pod.state_[0];
-      out->normal_float = impl->next_float_normal_sample();
-      out->normal_double = impl->next_double_normal_sample();
-    }
+    out->torch = read_cpu_generator();
     out->random_index = *random_index_;
     out->random_first = *random_first_;
-    out->random_gauss = random_inst_.attr("gauss_next");
+    out->random_gauss = random_inst_.attr(gauss_next_);
     if (numpy_pos_ != nullptr) {
       out->numpy_pos = *numpy_pos_;
       out->numpy_first = *numpy_first_;
@@ -711,9 +745,7 @@ class GeneratorReader {
   // whose readings differ.
   static uint32_t changed(const Reading& a, const Reading& b) {
     uint32_t bits = 0;
-    if (a.seed != b.seed || a.left != b.left || a.next != b.next ||
-        a.first != b.first || a.normal_float != b.normal_float ||
-        a.normal_double != b.normal_double) {
+    if (a.torch != b.torch) {
       bits |= 1;
     }
     if (a.random_index != b.random_index || a.random_first != b.random_first ||
@@ -728,9 +760,14 @@ class GeneratorReader {
 
  private:
   bool numpy_unchanged() const {
-    PyObject* numpy = PyDict_GetItemString(PyImport_GetModuleDict(), "numpy");
+    PyObject* numpy =
+        PyDict_GetItem(PyImport_GetModuleDict(), numpy_name_.ptr());
     return (numpy != nullptr ? numpy : Py_None) == numpy_module_.ptr();
   }
+
+  // The names it looks up, made once (a C string is made a str per call).
+  const py::str gauss_next_{"gauss_next"};
+  const py::str numpy_name_{"numpy"};
 
   py::object random_inst_;
   const int* random_index_;
@@ -749,10 +786,22 @@ class GeneratorReader {
 // transform while it watches; readings span only batches made this way
 // (a begin_own_item() that fails, with a producer at work, starts over).
 // Used with the GIL held, by the thread that calls _own_next.
+//
+// News is also written to `signal`'s first byte (a bytearray the loader
+// reads as signal[0] after each batch): a subscript costs the batch far
+// less than a call (asking take_news() after each was a third of the
+// watch's cost in place). take_news() clears both.
 class GeneratorWatch {
  public:
-  explicit GeneratorWatch(std::shared_ptr<GeneratorReader> reader)
-      : reader_(std::move(reader)) {}
+  GeneratorWatch(std::shared_ptr<GeneratorReader> reader, py::object signal)
+      : reader_(std::move(reader)), signal_(std::move(signal)) {
+    if (!signal_.is_none() &&
+        (!PyByteArray_Check(signal_.ptr()) ||
+         PyByteArray_GET_SIZE(signal_.ptr()) < 1)) {
+      throw py::type_error(
+          "watch_generators: signal must be a bytearray of at least one byte");
+    }
+  }
 
   void loop_resumes() {
     read_into(&loop_);
@@ -768,7 +817,7 @@ class GeneratorWatch {
   // once per finding.
   bool take_news() {
     const bool news = news_;
-    news_ = false;
+    set_news(false);
     return news;
   }
   py::tuple state() const {
@@ -782,21 +831,30 @@ class GeneratorWatch {
     }
     GeneratorReader::Reading now;
     if (!reader_->read(&now)) {
-      stale_ = news_ = true;
+      stale_ = true;
+      set_news(true);
       return;
     }
     if (valid_) {
       const uint32_t found = GeneratorReader::changed(last_, now) & ~*bits;
       if (found != 0) {
         *bits |= found;
-        news_ = true;
+        set_news(true);
       }
     }
     last_ = std::move(now);
     valid_ = true;
   }
 
+  void set_news(bool news) {
+    news_ = news;
+    if (!signal_.is_none()) {
+      PyByteArray_AS_STRING(signal_.ptr())[0] = news ? 1 : 0;
+    }
+  }
+
   std::shared_ptr<GeneratorReader> reader_;
+  py::object signal_; // a bytearray, or None
   GeneratorReader::Reading last_;
   bool valid_ = false;
   bool stale_ = false;
@@ -1076,11 +1134,15 @@ void init_stage(py::module_& m) {
           [](PyStage& s, bool made) { s.stage().end_own_item(made); })
       .def(
           "watch_generators",
-          [](PyStage& s, std::shared_ptr<GeneratorReader> reader) {
-            s.watch =
-                reader ? std::make_shared<GeneratorWatch>(reader) : nullptr;
+          [](PyStage& s,
+             std::shared_ptr<GeneratorReader> reader,
+             py::object signal) {
+            s.watch = reader
+                ? std::make_shared<GeneratorWatch>(reader, std::move(signal))
+                : nullptr;
           },
-          py::arg("reader").none(true))
+          py::arg("reader").none(true),
+          py::arg("signal") = py::none())
       .def(
           "watch_news",
           // Whether the generator watch found something since asked last.

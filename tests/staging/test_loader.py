@@ -369,6 +369,40 @@ def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(gen
     assert reason in s["tuning"]["decisions"][-1], s["tuning"]
 
 
+def test_the_stage_watch_signals_news_in_its_byte_and_keeps_it_for_a_takeover(monkeypatch):
+    # A call that finds a producer at work (begin_own_item false) has
+    # already read what the loop drew: the Python watch that takes over
+    # from there starts with it, and the loader acts on it at once.
+    draw = _DRAWS["torch"]
+    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    impl = it._own_impl
+    assert impl.watch_state() == (0, 1, False)  # the dataset drew
+    assert it._watch_signal == bytearray(1)  # its news taken
+    draw()  # the loop draws
+    real = _loader._own_next
+
+    def producer_at_work(stage, iterator):
+        monkeypatch.setattr(_loader, "_own_next", real)
+        assert stage.begin_own_item()  # as a producer's item would
+        try:
+            assert real(stage, iterator) is stage
+            assert it._watch_signal == bytearray(b"\x01")
+            return stage
+        finally:
+            stage.end_own_item(False)
+
+    monkeypatch.setattr(_loader, "_own_next", producer_at_work)
+    next(it)
+    assert not it._own_watch  # the Python watch took over
+    reason = "no staging thread: the batches' making and the training loop both draw"
+    assert any(reason in line for line in loader.stats()["tuning"]["decisions"])
+    with pytest.raises(TypeError, match="signal must be a bytearray"):
+        impl.watch_generators(_loader._watch_reader(), b"x")
+
+
 @pytest.mark.parametrize("generator", list(_DRAWS))
 def test_the_stage_watches_the_generators_of_batches_made_in_the_loop(generator):
     # The readings for batches the loop makes are the stage's own-item

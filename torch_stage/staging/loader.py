@@ -1450,8 +1450,10 @@ class _LoaderIter:
         self._own_impl = None
         self._own_transform: Optional[Callable[[Any], Any]] = None
         # Whether _C._own_next reads the generators for the
-        # watch (GeneratorWatch in csrc/python/stage_bindings.cpp).
+        # watch (GeneratorWatch in csrc/python/stage_bindings.cpp), and the
+        # byte where that watch signals news.
         self._own_watch = False
+        self._watch_signal = bytearray(1)
 
     def __iter__(self) -> _LoaderIter:
         return self
@@ -1496,7 +1498,11 @@ class _LoaderIter:
                     self._taken += 1
                     self._state["consumed"] += 1
                     if watching:
-                        self._own_watched(impl, draws, impl.watch_news())
+                        # The stage's watch read the generators; it writes
+                        # what it found to the signal's byte (no call).
+                        draws.watched += 1
+                        if self._watch_signal[0] or draws.watched >= _WATCHED_BATCHES:
+                            self._own_watched(impl, draws)
                     return batch
             else:
                 # A transform, or the Python watch (the stage's own reads
@@ -1544,7 +1550,10 @@ class _LoaderIter:
                     return batch
             if self._own_watch:
                 # A producer is at work: the Python watch, which sees where
-                # batches are made, watches from here on.
+                # batches are made, watches from here on (with what the
+                # stage's watch found, up to this call's reading).
+                if impl.watch_news():
+                    self._watch_news(impl, draws)
                 impl.watch_generators(None)
                 self._own_watch = False
                 draws.last = None
@@ -1595,7 +1604,7 @@ class _LoaderIter:
                 self._own_transform = transform
                 reader = _watch_reader() if own and watching and transform is None else None
                 if reader is not None:
-                    self._own_impl.watch_generators(reader)
+                    self._own_impl.watch_generators(reader, self._watch_signal)
                     self._own_watch = True
             elif epoch.known is not None and index >= epoch.known:
                 self._run.demand.release()
@@ -1653,13 +1662,13 @@ class _LoaderIter:
             _reemit(records)
         return batch
 
-    def _own_watched(self, impl, draws: _GlobalDraws, news: bool) -> None:
-        """After a batch the stage's watch saw made."""
+    def _own_watched(self, impl, draws: _GlobalDraws) -> None:
+        """After a batch the stage's watch saw made (counted), where it
+        signalled news or the watch is over."""
         # The Python watch's last reading is older than the stage's readings
-        # in between.
+        # in between (every hand-over to it clears it too).
         draws.last = None
-        draws.watched += 1
-        if news:
+        if impl.watch_news():
             self._watch_news(impl, draws)
         if draws.watched >= _WATCHED_BATCHES and self._own_watch:
             impl.watch_generators(None)

@@ -3,14 +3,18 @@ where the batches themselves cost almost nothing: a TensorDataset of small
 rows (a tabular or recommendation loop), one intra-op thread, no training
 step, so each batch's time is the loader's own.
 
-Per cell (batch size, num_workers), every round runs three epochs (their
-first --batches batches) in an order that rotates with the round: the plain
-DataLoader, ours with the same arguments, and the plain one again
-(``plain2``), whose difference to the
-first is the noise floor of the round. The table gives each one's median
-microseconds per batch (steady state: each clock starts after the first
-batch), the median over rounds of ours minus plain within a round, that
-difference's 95% confidence interval, and the same for plain2 minus plain.
+Per cell (batch size, num_workers), every round times three loaders, in
+an order that rotates with the round: the plain DataLoader, ours with the
+same arguments, and the plain one again (``plain2``), whose difference to
+the first is the noise floor of the round. Each loader runs at least
+--batches batches, over as many of its epochs as that takes (a 312-batch
+epoch at batch size 64 runs to its end, as a user's does, the generator
+watch's first 64 batches included). The table gives each one's median
+microseconds per batch (an epoch's start and end left out), the median
+over rounds of ours minus plain within a round, that difference's 95%
+confidence interval, and the same for plain2 minus plain; and what ours
+adds to each epoch's start (``iter()`` and the first batch, which makes
+the stage) and end (the ``next()`` that raises StopIteration), per epoch.
 
 It also times the generator watch (torch_stage.DataLoader's check, over the
 first 64 batches of an epoch, of whether a batch's making and the loop draw
@@ -38,18 +42,39 @@ from torch_stage.staging import loader as _loader
 METHODS = ("plain", "ours", "plain2")
 
 
-def per_batch_us(loader, batches: int) -> float:
-    it = iter(loader)
-    next(it)
+def per_batch_us(loader, batches: int) -> tuple:
+    """(us per batch, us of an epoch's start, us of its end): at least
+    ``batches`` batches timed, over as many epochs of ``loader`` as that
+    takes (an epoch shorter than that runs to its end, as a user's does).
+    The batches' clock leaves out each epoch's start (``iter()`` and the
+    first batch, which makes the stage) and end (the ``next()`` that raises
+    StopIteration); those are medians over the epochs (the end None where
+    no epoch reached it). One clock read per batch, for both classes."""
+    clock = time.perf_counter
+    body = 0.0
     n = 0
-    start = time.perf_counter()
-    for _ in it:
-        n += 1
-        if n == batches:
-            break
-    elapsed = time.perf_counter() - start
-    del it  # the epoch's end, its workers' shutdown too, is not timed
-    return elapsed / max(n, 1) * 1e6
+    starts, ends = [], []
+    while n < batches:
+        start = clock()
+        it = iter(loader)
+        next(it)
+        last = first = clock()
+        starts.append(first - start)
+        try:
+            while n < batches:
+                next(it)
+                last = clock()
+                n += 1
+        except StopIteration:
+            ends.append(clock() - last)
+        body += last - first
+        del it  # the epoch's workers' shutdown is not timed
+    us = 1e6
+    return (
+        body / n * us,
+        statistics.median(starts) * us,
+        (statistics.median(ends) * us if ends else None),
+    )
 
 
 def make(method: str, dataset, batch_size: int, workers: int):
@@ -102,7 +127,8 @@ def main() -> None:
         nargs=2,
         default=[5000, 500],
         metavar=("NO_WORKERS", "WORKERS"),
-        help="batches timed per epoch without and with workers (at most the epoch)",
+        help="batches timed per round without and with workers (over as many "
+        "epochs of one loader as that takes)",
     )
     add_json_argument(parser)
     args = parser.parse_args()
@@ -113,12 +139,24 @@ def main() -> None:
     for workers in args.workers:
         for batch_size in args.batch_sizes:
             times = {m: [] for m in METHODS}
+            starts = {m: [] for m in METHODS}
+            ends = {m: [] for m in METHODS}
             for r in progress(range(args.rounds), f"b{batch_size} w{workers}"):
                 order = METHODS[r % 3 :] + METHODS[: r % 3]
                 for method in order:
                     loader = make(method, dataset, batch_size, workers)
                     batches = args.batches[0] if workers == 0 else args.batches[1]
-                    times[method].append(per_batch_us(loader, batches))
+                    per_batch, start, end = per_batch_us(loader, batches)
+                    times[method].append(per_batch)
+                    starts[method].append(start)
+                    ends[method].append(end)
+            # An epoch's start and end: ours minus plain, per round.
+            start_extra = [o - p for o, p in zip(starts["ours"], starts["plain"])]
+            end_extra = [
+                o - p
+                for o, p in zip(ends["ours"], ends["plain"])
+                if o is not None and p is not None
+            ]
             extra = [o - p for o, p in zip(times["ours"], times["plain"])]
             noise = [q - p for q, p in zip(times["plain2"], times["plain"])]
             ratio = [p / o for o, p in zip(times["ours"], times["plain"])]
@@ -132,6 +170,9 @@ def main() -> None:
                     "plain2_minus_plain_us": statistics.median(noise),
                     "plain2_minus_plain_ci": median_ci(noise)[:2],
                     "speed_vs_plain": statistics.median(ratio),
+                    "epoch_batches": -(-len(dataset) // batch_size),
+                    "epoch_start_extra_us": statistics.median(start_extra),
+                    "epoch_end_extra_us": statistics.median(end_extra) if end_extra else None,
                     "rounds": args.rounds,
                 }
             )
@@ -139,7 +180,8 @@ def main() -> None:
 
     print(
         f"{'batch':>5} {'workers':>7} {'plain us':>9} {'ours us':>8} {'ours-plain':>11} "
-        f"{'95% CI':>15} {'plain2-plain':>13} {'95% CI':>15} {'speed':>6}"
+        f"{'95% CI':>15} {'plain2-plain':>13} {'95% CI':>15} {'speed':>6} "
+        f"{'epoch start':>11} {'epoch end':>9}"
     )
     for c in cells:
         us = c["us_per_batch"]
@@ -149,8 +191,18 @@ def main() -> None:
             f"{c['batch_size']:>5} {c['num_workers']:>7} {us['plain']:>9.1f} {us['ours']:>8.1f} "
             f"{c['ours_minus_plain_us']:>+11.1f} {f'[{lo:+.1f}, {hi:+.1f}]':>15} "
             f"{c['plain2_minus_plain_us']:>+13.1f} {f'[{nlo:+.1f}, {nhi:+.1f}]':>15} "
-            f"{c['speed_vs_plain']:>6.3f}"
+            f"{c['speed_vs_plain']:>6.3f} {c['epoch_start_extra_us']:>+11.0f} "
+            + (
+                f"{c['epoch_end_extra_us']:>+9.0f}"
+                if c["epoch_end_extra_us"] is not None
+                else f"{'-':>9}"
+            )
         )
+    print(
+        "us per batch: medians over rounds (an epoch's first batch and end "
+        "left out); epoch start, end: ours minus plain, us per epoch (iter() "
+        "and the first batch; the next() that ends it)"
+    )
     print(
         f"generator watch: {watch:+.1f} us [{watch_ci[0]:+.1f}, {watch_ci[1]:+.1f}] per batch "
         f"made in the loop (the first {_loader._WATCHED_BATCHES} of an epoch, batch size "

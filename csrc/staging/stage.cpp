@@ -440,6 +440,9 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::mutex tune_mu;
   std::optional<AutoTuner> tuner;
   bool budget_applied = false; // guarded by tune_mu
+  // A thread the system refused when a setting first let it work, to be
+  // said (the warning callback) once tune_mu is let go; guarded by tune_mu.
+  std::string refusal;
   // Positions claimed and not yet delivered (or dropped); changes under
   // source_mu when it grows, so a consumer that sees 0 there with an empty
   // buffer knows no earlier item can still arrive.
@@ -508,6 +511,10 @@ struct Stage::State : std::enable_shared_from_this<State> {
     return !stop.load() && !source_done_flag.load();
   }
 
+  // A new setting: its capacity, its threads at work, and those it lets
+  // work for the first time started. A thread the system refused then
+  // bounds the tuner to the threads started and leaves `refusal` to say.
+  // Requires tune_mu held.
   void apply(TunerSetting setting) {
     buffer.set_capacity(static_cast<size_t>(setting.capacity));
     {
@@ -525,21 +532,22 @@ struct Stage::State : std::enable_shared_from_this<State> {
       why = refused;
       started_threads = spawned;
     }
-    // Requires tune_mu held (as every caller of apply holds it). The
-    // started threads are at least the first setting's, which the tuner's
-    // minimum bounds: the bounded setting starts no thread.
+    // The started threads are at least the first setting's, which the
+    // tuner's minimum bounds: the bounded setting starts no thread.
     if (tuner->set_max_threads(started_threads, why) &&
         tuner->setting().threads <= started_threads) {
       apply(tuner->setting());
     }
-    warning(c10::str(
+    // Said by the caller once it let go of tune_mu: the warning callback
+    // may wait for the GIL, which a thread waiting for tune_mu may hold.
+    refusal = c10::str(
         "stage '",
         options.name,
         "': ",
         why,
         "; auto-tuning goes on with at most ",
         started_threads,
-        " thread(s)"));
+        " thread(s)");
   }
 
   // A consumer's loop runs from its first take's start (making the first
@@ -597,6 +605,12 @@ struct Stage::State : std::enable_shared_from_this<State> {
     changed = tuner->observe(sample) || changed;
     if (changed) {
       apply(tuner->setting());
+    }
+    if (!refusal.empty()) {
+      const std::string message = std::move(refusal);
+      refusal.clear();
+      lock.unlock();
+      warning(message);
     }
   }
 

@@ -1499,8 +1499,12 @@ class _LoaderIter:
                     self._state["consumed"] += 1
                     if watching:
                         # The stage's watch read the generators; it writes
-                        # what it found to the signal's byte (no call).
+                        # what it found to the signal's byte (no call). The
+                        # Python watch's last reading is older than its
+                        # readings (the next batch made outside this path
+                        # must not take their draws for the loop's).
                         draws.watched += 1
+                        draws.last = None
                         if self._watch_signal[0] or draws.watched >= _WATCHED_BATCHES:
                             self._own_watched(impl, draws)
                     return batch
@@ -1665,9 +1669,6 @@ class _LoaderIter:
     def _own_watched(self, impl, draws: _GlobalDraws) -> None:
         """After a batch the stage's watch saw made (counted), where it
         signalled news or the watch is over."""
-        # The Python watch's last reading is older than the stage's readings
-        # in between (every hand-over to it clears it too).
-        draws.last = None
         if impl.watch_news():
             self._watch_news(impl, draws)
         if draws.watched >= _WATCHED_BATCHES and self._own_watch:

@@ -848,7 +848,8 @@ class GeneratorWatch {
 
   void set_news(bool news) {
     news_ = news;
-    if (!signal_.is_none()) {
+    // (Checked again: a bytearray can be emptied since.)
+    if (!signal_.is_none() && PyByteArray_GET_SIZE(signal_.ptr()) > 0) {
       PyByteArray_AS_STRING(signal_.ptr())[0] = news ? 1 : 0;
     }
   }

@@ -130,7 +130,9 @@ class Stage:
         return self._name
 
     def start(self) -> None:
-        """Start the producer threads now (otherwise the first take does)."""
+        """Start the stage now (otherwise the first take does): all of its
+        producer threads, or, auto-tuned, those the tuner's first setting
+        lets work (the others start when a setting first does)."""
         self._impl.start()
 
     def __iter__(self) -> Iterator[Any]:

@@ -390,8 +390,6 @@ struct Stage::State : std::enable_shared_from_this<State> {
   bool closed = false;
   std::vector<std::thread> threads;
   int64_t spawned = 0;
-  int64_t first_setting = 0; // threads start() started (or was refused)
-  std::string refused; // why the last thread started late was refused
   std::shared_ptr<at::ThreadLocalState> starter;
   std::atomic<bool> stop{false};
 
@@ -440,9 +438,6 @@ struct Stage::State : std::enable_shared_from_this<State> {
   std::mutex tune_mu;
   std::optional<AutoTuner> tuner;
   bool budget_applied = false; // guarded by tune_mu
-  // A thread the system refused when a setting first let it work, to be
-  // said (the warning callback) once tune_mu is let go; guarded by tune_mu.
-  std::string refusal;
   // Positions claimed and not yet delivered (or dropped); changes under
   // source_mu when it grows, so a consumer that sees 0 there with an empty
   // buffer knows no earlier item can still arrive.
@@ -513,9 +508,11 @@ struct Stage::State : std::enable_shared_from_this<State> {
 
   // A new setting: its capacity, its threads at work, and those it lets
   // work for the first time started. A thread the system refused then
-  // bounds the tuner to the threads started and leaves `refusal` to say.
-  // Requires tune_mu held.
-  void apply(TunerSetting setting) {
+  // bounds the tuner to the threads started. Returns what to say of such a
+  // refusal (empty: none), for the caller to say (the warning callback)
+  // once it has let go of tune_mu: the callback may wait for the GIL, which
+  // a thread waiting for tune_mu may hold. Requires tune_mu held.
+  [[nodiscard]] std::string apply(TunerSetting setting) {
     buffer.set_capacity(static_cast<size_t>(setting.capacity));
     {
       std::lock_guard<std::mutex> lock(gate_mu);
@@ -526,21 +523,19 @@ struct Stage::State : std::enable_shared_from_this<State> {
     int64_t started_threads = 0;
     {
       std::lock_guard<std::mutex> lock(life_mu);
-      if (spawn_up_to(setting.threads)) {
-        return;
+      why = spawn_up_to(setting.threads, /*at_start=*/false);
+      if (why.empty()) {
+        return {};
       }
-      why = refused;
       started_threads = spawned;
     }
     // The started threads are at least the first setting's, which the
     // tuner's minimum bounds: the bounded setting starts no thread.
     if (tuner->set_max_threads(started_threads, why) &&
         tuner->setting().threads <= started_threads) {
-      apply(tuner->setting());
+      (void)apply(tuner->setting()); // (it starts no thread)
     }
-    // Said by the caller once it let go of tune_mu: the warning callback
-    // may wait for the GIL, which a thread waiting for tune_mu may hold.
-    refusal = c10::str(
+    return c10::str(
         "stage '",
         options.name,
         "': ",
@@ -603,14 +598,10 @@ struct Stage::State : std::enable_shared_from_this<State> {
     sample.wait_ns = b.consumer_wait_ns + sample.inline_ns;
     sample.blocked_ns = b.producer_blocked_ns;
     changed = tuner->observe(sample) || changed;
-    if (changed) {
-      apply(tuner->setting());
-    }
+    const std::string refusal = changed ? apply(tuner->setting()) : "";
+    lock.unlock();
     if (!refusal.empty()) {
-      const std::string message = std::move(refusal);
-      refusal.clear();
-      lock.unlock();
-      warning(message);
+      warning(refusal);
     }
   }
 
@@ -955,8 +946,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       trace::record(r);
     }
     starter = std::make_shared<at::ThreadLocalState>();
-    first_setting = active.load();
-    spawn_up_to(first_setting);
+    spawn_up_to(active.load(), /*at_start=*/true);
   }
 
   // Starts producers up to `count` (of num_threads): all of them at start()
@@ -964,12 +954,12 @@ struct Stage::State : std::enable_shared_from_this<State> {
   // when a later setting first does. A thread that would only park costs
   // its start (some 50 us) and a core's worth of wake-ups at the start of
   // every epoch of a loop the tuner keeps on the consumer's thread.
-  // Returns false when the system refused one after the first setting's
-  // (`refused` says why). Requires life_mu held.
-  bool spawn_up_to(int64_t count) {
+  // The system refusing one is an error `at_start`; later, what it says is
+  // returned (empty: all started). Requires life_mu held.
+  std::string spawn_up_to(int64_t count, bool at_start) {
     // After the source's end a producer would only exit.
     if (!started || closed || stop.load() || source_done_flag.load()) {
-      return true;
+      return {};
     }
     count = std::min(count, options.num_threads);
     auto self = shared_from_this();
@@ -993,7 +983,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
         threads.emplace_back(
             [self, starter = starter, i] { self->produce(i, *starter); });
       } catch (const std::system_error& e) {
-        if (i < first_setting) {
+        if (at_start) {
           refuse_start(i, e);
         }
         // A later setting's thread: the items taken so far are the
@@ -1003,9 +993,8 @@ struct Stage::State : std::enable_shared_from_this<State> {
           --live;
         }
         statuses[i].set(Phase::kNotStarted);
-        refused = c10::str(
+        return c10::str(
             "the system refused producer thread ", i, " (", e.what(), ")");
-        return false;
       }
       ++spawned;
       // Named here too, so that the threads are visible under their names
@@ -1013,7 +1002,7 @@ struct Stage::State : std::enable_shared_from_this<State> {
       pthread_setname_np(
           threads.back().native_handle(), kernel_name(i).c_str());
     }
-    return true;
+    return {};
   }
 
   // The system refused producer `first` (and so the rest): the stage is
@@ -1500,7 +1489,7 @@ void Stage::limit_threads(int64_t max_threads, const std::string& why) {
   }
   std::lock_guard<std::mutex> lock(s.tune_mu);
   if (s.tuner->set_max_threads(max_threads, why)) {
-    s.apply(s.tuner->setting());
+    (void)s.apply(s.tuner->setting()); // (a lower bound starts no thread)
   }
 }
 

@@ -653,10 +653,7 @@ CpuGeneratorReading read_cpu_generator() {
   return r;
 }
 
-// read_cpu_generator() for Python (torch_stage/staging/loader.py reads it
-// where the in-place reader of the other generators is not made).
-py::tuple cpu_generator_fingerprint() {
-  const CpuGeneratorReading r = read_cpu_generator();
+py::tuple as_tuple(const CpuGeneratorReading& r) {
   return py::make_tuple(
       r.seed,
       r.left,
@@ -664,6 +661,12 @@ py::tuple cpu_generator_fingerprint() {
       r.first,
       r.normal_float.has_value() ? py::cast(*r.normal_float) : py::none(),
       r.normal_double.has_value() ? py::cast(*r.normal_double) : py::none());
+}
+
+// read_cpu_generator() for Python (torch_stage/staging/loader.py reads it
+// where the in-place reader of the other generators is not made).
+py::tuple cpu_generator_fingerprint() {
+  return as_tuple(read_cpu_generator());
 }
 
 // torch_stage.DataLoader's generator watch reads the global generators at
@@ -702,16 +705,20 @@ class GeneratorReader {
     }
   }
 
+  // read(Reading*) as Python tuples: (torch's, (index, first word,
+  // gauss_next) of random's, (position, first word) of NumPy's or None).
   py::object read() const {
-    if (!numpy_unchanged()) {
+    Reading r;
+    if (!read(&r)) {
       return py::none();
     }
-    py::tuple random = py::make_tuple(
-        *random_index_, *random_first_, random_inst_.attr(gauss_next_));
     py::object numpy_state = numpy_pos_ == nullptr
         ? py::object(py::none())
-        : py::object(py::make_tuple(*numpy_pos_, *numpy_first_));
-    return py::make_tuple(cpu_generator_fingerprint(), random, numpy_state);
+        : py::object(py::make_tuple(r.numpy_pos, r.numpy_first));
+    return py::make_tuple(
+        as_tuple(r.torch),
+        py::make_tuple(r.random_index, r.random_first, r.random_gauss),
+        numpy_state);
   }
 
   // What read() returns, as plain values: for GeneratorWatch, which
@@ -787,21 +794,30 @@ class GeneratorReader {
 // (a begin_own_item() that fails, with a producer at work, starts over).
 // Used with the GIL held, by the thread that calls _own_next.
 //
-// News is also written to `signal`'s first byte (a bytearray the loader
-// reads as signal[0] after each batch): a subscript costs the batch far
-// less than a call (asking take_news() after each was a third of the
-// watch's cost in place). take_news() clears both.
+// News is written to `signal`'s first byte (a bytearray the loader reads
+// as signal[0] after each batch): a subscript costs the batch far less
+// than a call (asking take_news() after each was a third of the watch's
+// cost in place). take_news() reads and clears it.
 class GeneratorWatch {
  public:
   GeneratorWatch(std::shared_ptr<GeneratorReader> reader, py::object signal)
       : reader_(std::move(reader)), signal_(std::move(signal)) {
-    if (!signal_.is_none() &&
-        (!PyByteArray_Check(signal_.ptr()) ||
-         PyByteArray_GET_SIZE(signal_.ptr()) < 1)) {
+    if (!PyByteArray_Check(signal_.ptr()) ||
+        PyByteArray_GET_SIZE(signal_.ptr()) < 1) {
       throw py::type_error(
           "watch_generators: signal must be a bytearray of at least one byte");
     }
+    // Held while the watch lives: a bytearray with an export cannot be
+    // resized, so its first byte stays where it is.
+    if (PyObject_GetBuffer(signal_.ptr(), &signal_view_, PyBUF_WRITABLE) != 0) {
+      throw py::error_already_set();
+    }
   }
+  ~GeneratorWatch() {
+    PyBuffer_Release(&signal_view_);
+  }
+  GeneratorWatch(const GeneratorWatch&) = delete;
+  GeneratorWatch& operator=(const GeneratorWatch&) = delete;
 
   void loop_resumes() {
     read_into(&loop_);
@@ -816,8 +832,8 @@ class GeneratorWatch {
   // seen drawn, or numpy changed in sys.modules (then it reads no more):
   // once per finding.
   bool take_news() {
-    const bool news = news_;
-    set_news(false);
+    const bool news = signal() != 0;
+    signal() = 0;
     return news;
   }
   py::tuple state() const {
@@ -832,34 +848,30 @@ class GeneratorWatch {
     GeneratorReader::Reading now;
     if (!reader_->read(&now)) {
       stale_ = true;
-      set_news(true);
+      signal() = 1;
       return;
     }
     if (valid_) {
       const uint32_t found = GeneratorReader::changed(last_, now) & ~*bits;
       if (found != 0) {
         *bits |= found;
-        set_news(true);
+        signal() = 1;
       }
     }
     last_ = std::move(now);
     valid_ = true;
   }
 
-  void set_news(bool news) {
-    news_ = news;
-    // (Checked again: a bytearray can be emptied since.)
-    if (!signal_.is_none() && PyByteArray_GET_SIZE(signal_.ptr()) > 0) {
-      PyByteArray_AS_STRING(signal_.ptr())[0] = news ? 1 : 0;
-    }
+  char& signal() {
+    return static_cast<char*>(signal_view_.buf)[0];
   }
 
   std::shared_ptr<GeneratorReader> reader_;
-  py::object signal_; // a bytearray, or None
+  py::object signal_; // a bytearray
+  Py_buffer signal_view_{};
   GeneratorReader::Reading last_;
   bool valid_ = false;
   bool stale_ = false;
-  bool news_ = false;
   uint32_t loop_ = 0;
   uint32_t pull_ = 0;
 };

@@ -97,6 +97,27 @@ c10::IValue any_value(py::handle value) {
   return c10::ivalue::Tuple::create(std::move(items));
 }
 
+// RECORD_FUNCTION, with the guard made only where a callback listens (the
+// dispatcher's own pattern): the macro makes and destroys a RecordFunction
+// on every call, two thirds of its cost where nothing listens, and the
+// fast functions run several times per forward.
+class RecordCall {
+ public:
+  explicit RecordCall(const char* name) {
+    auto callbacks = at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION);
+    if (C10_UNLIKELY(callbacks.has_value())) {
+      guard_.emplace(std::move(*callbacks));
+      if (guard_->isActive()) {
+        ::at::detail::record_function_with_scope(
+            *guard_, name, std::vector<c10::IValue>());
+      }
+    }
+  }
+
+ private:
+  std::optional<at::RecordFunction> guard_;
+};
+
 // The node targets of rewritten graphs: fork, sync, record_event and join
 // as C functions (METH_FASTCALL), the same objects in the graph, in its
 // generated code, in TorchScript's builtin table and in FX's side-effect
@@ -119,6 +140,12 @@ struct FastOps {
   PyObject* compiling_flag = nullptr; // "_is_compiling_flag"
   PyObject* is_compiling = nullptr; // torch.compiler.is_compiling
   PyObject* fallback[4] = {}; // fork, sync, record_event, join
+  // The last run fast_join joined that fast_fork may start again
+  // (StreamRun::restart), or nullptr; a strong reference, guarded by the
+  // GIL. fork hands the reference to its caller and join puts it back, so
+  // the slot only ever holds a joined run: one dropped unjoined is
+  // finished by its destructor, when it is dropped, as any run is.
+  PyObject* spare_run = nullptr;
 };
 
 enum FastOp { kFork = 0, kSync = 1, kRecordEvent = 2, kJoin = 3 };
@@ -279,10 +306,20 @@ PyObject* fast_fork(
       !read_int(args[2], "fork", "num_events", &num_events)) {
     return nullptr;
   }
-  RECORD_FUNCTION("torch_stage::fork", std::vector<c10::IValue>());
-  return py::cast(
-             c10::make_intrusive<StreamRun>(
-                 device_of(args[3]), num_streams, side_streams, num_events))
+  RecordCall record_call("torch_stage::fork");
+  const std::optional<c10::Device> device = device_of(args[3]);
+  // A forward on CPU makes a run per call and drops it: starting the last
+  // one again saves a third of what fork and join cost the host between
+  // two ops (a new run, its Python object, and the registries of both).
+  PyObject* spare = fast_ops->spare_run;
+  if (spare != nullptr && Py_REFCNT(spare) == 1 &&
+      run_of(spare, "fork")
+          ->restart(device, num_streams, side_streams, num_events)) {
+    fast_ops->spare_run = nullptr;
+    return spare;
+  }
+  return py::cast(c10::make_intrusive<StreamRun>(
+                      device, num_streams, side_streams, num_events))
       .release()
       .ptr();
   END_HANDLE_TH_ERRORS
@@ -315,18 +352,13 @@ PyObject* fast_sync(
       !read_int(args[2], "sync", "stream", &stream)) {
     return nullptr;
   }
-  if (!PyList_Check(args[3])) {
-    // As _StreamRun.sync: the pass passes a list.
-    PyErr_Format(
-        PyExc_TypeError,
-        "torch_stage.sync: waits must be a list of ints, got %s",
-        Py_TYPE(args[3])->tp_name);
-    return nullptr;
-  }
   if (!read_ints(args[3], "sync", "waits", &waits)) {
     return nullptr;
   }
-  RECORD_FUNCTION("torch_stage::sync", std::vector<c10::IValue>());
+  RecordCall record_call("torch_stage::sync");
+  if (run->sync_inactive(record, stream, waits)) {
+    Py_RETURN_NONE;
+  }
   // An inactive run marks nothing; only an observer would see the value.
   const bool keeps =
       keep != Py_None && (run->is_active() || stream_observer_active());
@@ -351,8 +383,10 @@ PyObject* fast_record_event(
       !read_int(args[2], "record_event", "stream", &stream)) {
     return nullptr;
   }
-  RECORD_FUNCTION("torch_stage::record_event", std::vector<c10::IValue>());
-  run->record_event(event, stream);
+  RecordCall record_call("torch_stage::record_event");
+  if (!run->record_event_inactive(event, stream)) {
+    run->record_event(event, stream);
+  }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -372,8 +406,11 @@ PyObject* fast_join(
       !read_ints(args[1], "join", "side_streams", &side_streams)) {
     return nullptr;
   }
-  RECORD_FUNCTION("torch_stage::join", std::vector<c10::IValue>());
+  RecordCall record_call("torch_stage::join");
   run->join(side_streams);
+  if (!run->is_active() && fast_ops->spare_run != args[0]) {
+    Py_XSETREF(fast_ops->spare_run, Py_NewRef(args[0]));
+  }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -472,10 +509,10 @@ void init_streams(py::module_& m) {
              py::handle waits,
              py::handle keep) {
             RECORD_FUNCTION("torch_stage::sync", std::vector<c10::IValue>());
-            // The pass passes a list of ints; reading it by hand saves
+            // The pass passes a tuple of ints; reading it by hand saves
             // pybind11's generic sequence caster (~0.3 us a call).
             c10::SmallVector<int64_t, 8> events;
-            if (!PyList_Check(waits.ptr())) {
+            if (!PyList_Check(waits.ptr()) && !PyTuple_Check(waits.ptr())) {
               throw py::type_error(c10::str(
                   "torch_stage.sync: waits must be a list of ints, got ",
                   Py_TYPE(waits.ptr())->tp_name));

@@ -101,15 +101,10 @@ std::optional<c10::Device> StreamRun::device_of(const c10::IValue& probes) {
   return std::nullopt;
 }
 
-StreamRun::StreamRun(
-    std::optional<c10::Device> device,
+void StreamRun::check_fork(
     int64_t num_streams,
     const std::vector<int64_t>& side_streams,
-    int64_t num_events)
-    : owner_(std::this_thread::get_id()),
-      id_(next_stream_owner_id()),
-      num_streams_(num_streams),
-      device_(device) {
+    int64_t num_events) {
   TORCH_CHECK_VALUE(
       num_streams >= 1 && num_streams <= kMaxStreams,
       "torch_stage.fork: num_streams must be in 1..",
@@ -136,6 +131,18 @@ StreamRun::StreamRun(
         s,
         " is listed twice");
   }
+}
+
+StreamRun::StreamRun(
+    std::optional<c10::Device> device,
+    int64_t num_streams,
+    const std::vector<int64_t>& side_streams,
+    int64_t num_events)
+    : owner_(std::this_thread::get_id()),
+      id_(next_stream_owner_id()),
+      num_streams_(num_streams),
+      device_(device) {
+  check_fork(num_streams, side_streams, num_events);
   forked_ = side_streams;
   recorded_.assign(static_cast<size_t>(num_events), false);
   if (!device_ || !has_streams(device_->type())) {
@@ -162,6 +169,32 @@ StreamRun::StreamRun(
   register_live();
 }
 
+bool StreamRun::restart(
+    std::optional<c10::Device> device,
+    int64_t num_streams,
+    const std::vector<int64_t>& side_streams,
+    int64_t num_events) {
+  check_fork(num_streams, side_streams, num_events);
+  // The observer tells runs apart by id, so it gets a new run; so does any
+  // run another holder could still see (a ScriptObject of it, say).
+  if ((device && has_streams(device->type())) || active_ || !joined_ ||
+      restore_autocast_cache_ || stream_observer_active() ||
+      c10::raw::intrusive_ptr::use_count(this) != 1) {
+    return false;
+  }
+  owner_ = std::this_thread::get_id();
+  device_ = device;
+  num_streams_ = num_streams;
+  joined_ = false;
+  forked_ = side_streams;
+  current_ = 0;
+  recorded_.assign(static_cast<size_t>(num_events), false);
+  kept_tensors_ = 0;
+  // Still in live_runs: the entry lives as long as the run.
+  enter_thread();
+  return true;
+}
+
 void StreamRun::register_live() {
   // Last in the constructor, after the note (an observer may throw): a
   // constructor that throws gets no destructor, and the registry must never
@@ -180,8 +213,12 @@ void StreamRun::register_live() {
             [&](int64_t id) { return live.count(id) == 0; }),
         tls_runs.end());
     live[id_] = this;
-    tls_runs.push_back(id_);
   }
+  enter_thread();
+}
+
+void StreamRun::enter_thread() {
+  tls_runs.push_back(id_);
   // Autocast keeps one low-precision copy of each weight per thread for the
   // whole autocast region, whatever the stream: a layer called on two
   // streams would read, on the second, the copy the first is still

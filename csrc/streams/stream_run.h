@@ -72,6 +72,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/custom_class.h>
 
+#include "streams/stream_observer.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -95,6 +97,21 @@ class StreamRun : public torch::CustomClassHolder {
       int64_t num_events);
   ~StreamRun() override;
 
+  // Makes this run what the constructor would make of these arguments, in
+  // place, where no one can tell: a run on a device without streams (where
+  // the run keeps only its checks' state), joined, and held by the caller
+  // alone (a use count of 1: no ScriptObject of it), with no StreamObserver
+  // listening (its notes tell runs apart by id). Returns false, the run
+  // unchanged, otherwise. The arguments are checked first either way, as
+  // the constructor checks them. Saves eager forwards on CPU the
+  // allocation and registration of a run and of its Python object
+  // (csrc/python/stream_bindings.cpp keeps the last joined run).
+  bool restart(
+      std::optional<c10::Device> device,
+      int64_t num_streams,
+      const std::vector<int64_t>& side_streams,
+      int64_t num_events);
+
   StreamRun(const StreamRun&) = delete;
   StreamRun& operator=(const StreamRun&) = delete;
 
@@ -116,6 +133,47 @@ class StreamRun : public torch::CustomClassHolder {
       int64_t stream,
       c10::ArrayRef<int64_t> waits,
       const c10::IValue& keep);
+  // sync and record_event where all they do is their checks' bookkeeping:
+  // on an inactive run, on its owner thread, with valid arguments and no
+  // StreamObserver. Inline, so that an eager forward on CPU makes no call
+  // into this library per op (csrc/python/stream_bindings.cpp). Return
+  // false, having changed nothing, otherwise: the caller then calls sync or
+  // record_event, which do the work or say what is wrong.
+  bool sync_inactive(
+      int64_t record,
+      int64_t stream,
+      c10::ArrayRef<int64_t> waits) {
+    const auto events = static_cast<int64_t>(recorded_.size());
+    if (active_ || joined_ || stream < 0 || stream >= num_streams_ ||
+        (record >= 0 && (record >= events || recorded_[record])) ||
+        owner_ != std::this_thread::get_id()) {
+      return false;
+    }
+    for (const int64_t e : waits) {
+      if (e < 0 || e >= events || !(recorded_[e] || e == record)) {
+        return false;
+      }
+    }
+    if (stream_observer_active()) {
+      return false;
+    }
+    if (record >= 0) {
+      recorded_[record] = true;
+    }
+    current_ = stream;
+    return true;
+  }
+  bool record_event_inactive(int64_t event, int64_t stream) {
+    if (active_ || joined_ || stream < 0 || stream >= num_streams_ ||
+        event < 0 || event >= static_cast<int64_t>(recorded_.size()) ||
+        recorded_[event] || owner_ != std::this_thread::get_id() ||
+        stream_observer_active()) {
+      return false;
+    }
+    recorded_[event] = true;
+    return true;
+  }
+
   // Stream 0 waits on the given side streams; stream 0 is current again.
   // After join the run accepts no more ops.
   void join(const std::vector<int64_t>& side_streams);
@@ -152,6 +210,13 @@ class StreamRun : public torch::CustomClassHolder {
   // Enters the run in the thread's and the process's registries (for
   // abort_thread_runs) and notes the fork to the StreamObserver.
   void register_live();
+  // The thread's part of register_live: the thread's registry of runs, and
+  // autocast's cache.
+  void enter_thread();
+  static void check_fork(
+      int64_t num_streams,
+      const std::vector<int64_t>& side_streams,
+      int64_t num_events);
   void check_usable(const char* op) const;
   void check_stream(const char* op, int64_t stream) const;
   void check_event(const char* op, int64_t event) const;
@@ -159,10 +224,10 @@ class StreamRun : public torch::CustomClassHolder {
   // Stream 0 waits on each of `streams`; the caller's stream is current.
   void finish(const std::vector<int64_t>& streams);
 
-  const std::thread::id owner_;
+  std::thread::id owner_;
   // This run's id in StreamObserver notes.
   const int64_t id_;
-  const int64_t num_streams_;
+  int64_t num_streams_;
   bool active_ = false;
   bool joined_ = false;
   std::optional<c10::Device> device_;

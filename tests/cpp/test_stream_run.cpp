@@ -72,12 +72,59 @@ TEST(StreamRun, RejectsBadForks) {
 
 // The diamond's plan (csrc/schedule tests): node 2 on stream 1 waits for
 // node 0's event; node 3 on stream 0 waits for node 2's.
+TEST(StreamRun, RestartsOnlyAJoinedInactiveRunNoOneElseHolds) {
+  auto run = c10::make_intrusive<StreamRun>(
+      std::nullopt, 2, std::vector<int64_t>{1}, 1);
+  EXPECT_FALSE(run->restart(std::nullopt, 3, {1, 2}, 2)); // not joined
+  run->record_event(0, 0);
+  run->join({1});
+  const int64_t id = run->id();
+  {
+    auto other = run; // a second holder, as a ScriptObject of it is
+    EXPECT_FALSE(run->restart(std::nullopt, 3, {1, 2}, 2));
+  }
+  EXPECT_TRUE(contains(
+      error_of([&] { run->restart(std::nullopt, 0, {}, 0); }),
+      "num_streams must be in 1..32, got 0"));
+  EXPECT_FALSE(run->restart(fake_device(0), 3, {1, 2}, 2)); // has streams
+  ASSERT_TRUE(run->restart(std::nullopt, 3, {1, 2}, 2));
+  EXPECT_EQ(run->id(), id);
+  EXPECT_EQ(run->num_streams(), 3);
+  // As new: no event recorded, three streams, not joined.
+  EXPECT_TRUE(contains(
+      error_of([&] { run->wait_event(0, 1); }), "has not been recorded"));
+  EXPECT_TRUE(run->sync_inactive(1, 2, {}));
+  EXPECT_TRUE(run->sync_inactive(0, 0, std::vector<int64_t>{0, 1}));
+  run->join({1, 2});
+}
+
+TEST(StreamRun, TheInlinePathsLeaveAnythingButPlainBookkeepingToSync) {
+  StreamRun run(std::nullopt, 2, {1}, 2);
+  EXPECT_FALSE(run.sync_inactive(-1, 2, {})); // no stream 2
+  EXPECT_FALSE(run.sync_inactive(-1, -1, {}));
+  EXPECT_FALSE(run.sync_inactive(2, 1, {})); // no event 2
+  EXPECT_FALSE(
+      run.sync_inactive(-1, 1, std::vector<int64_t>{0})); // not recorded
+  EXPECT_FALSE(run.record_event_inactive(2, 0));
+  EXPECT_TRUE(run.sync_inactive(0, 1, std::vector<int64_t>{0}));
+  EXPECT_FALSE(run.sync_inactive(0, 1, {})); // recorded twice
+  EXPECT_FALSE(run.record_event_inactive(0, 1));
+  EXPECT_TRUE(run.record_event_inactive(1, 1));
+  bool elsewhere = true;
+  std::thread([&] { elsewhere = run.sync_inactive(-1, 0, {}); }).join();
+  EXPECT_FALSE(elsewhere); // another thread's call: for sync to refuse
+  run.join({1});
+  EXPECT_FALSE(run.sync_inactive(-1, 0, {})); // joined
+}
+
 TEST(StreamRun, RunsAPlanOnADeviceWithStreams) {
   const auto device = fake_device(0);
   fake().take_log();
   {
     StreamRun run(device, 3, {1}, 2);
     ASSERT_TRUE(run.is_active());
+    EXPECT_FALSE(run.sync_inactive(-1, 1, {})); // device work: sync's
+    EXPECT_FALSE(run.record_event_inactive(0, 0));
     EXPECT_EQ(run.device(), "privateuseone:0");
     const auto ids = run.stream_ids();
     ASSERT_EQ(ids.size(), 3u);

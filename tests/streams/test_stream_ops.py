@@ -1,6 +1,8 @@
 """The stream ops (torch.ops.torch_stage.fork/set_stream/record_event/
 wait_event/record_stream/join, torch_stage/streams/fx/_ops.py) and plan_streams."""
 
+import threading
+
 import pytest
 import torch
 from conftest import caller_stream
@@ -162,10 +164,12 @@ def test_sync_is_the_ops_it_fuses_in_order():
     ]
 
 
-def test_sync_refuses_waits_that_are_not_a_list():
-    run = _ops.fork(2, [1], 1, (torch.ones(1),))
-    with pytest.raises(TypeError, match="waits must be a list of ints, got tuple"):
-        run.sync(-1, 1, (0,), None)
+def test_sync_takes_waits_as_a_list_or_a_tuple_and_refuses_anything_else():
+    run = _ops.fork(2, [1], 2, (torch.ones(1),))
+    run.sync(0, 1, [0], None)
+    run.sync(1, 0, (1,), None)
+    with pytest.raises(TypeError, match="waits must be a list of ints, got int"):
+        run.sync(-1, 1, 0, None)
     run.join([])
 
 
@@ -406,13 +410,16 @@ def test_the_emitted_targets_are_c_functions_named_as_their_ops():
     assert torch.equal(copy(x), rewritten(x))
 
 
-def test_the_c_functions_check_their_arguments():
+# Unobserved, a CPU run's sync and record_event take their inline path
+# (StreamRun::sync_inactive): the same checks, the same errors.
+@pytest.mark.parametrize("observed", [True, pytest.param(False, marks=pytest.mark.no_sanitizer)])
+def test_the_c_functions_check_their_arguments(observed):
     run = _ops.fork(2, [1], 1, (torch.ones(1),))
     assert type(run) is torch_stage._C._StreamRun
     with pytest.raises(TypeError, match="sync: record must be an int, got float"):
         _ops.sync(run, 1.5, 1, [], None)
-    with pytest.raises(TypeError, match="sync: waits must be a list of ints, got tuple"):
-        _ops.sync(run, -1, 1, (0,), None)
+    with pytest.raises(TypeError, match="sync: waits must be a list of ints, got int"):
+        _ops.sync(run, -1, 1, 0, None)
     with pytest.raises(TypeError, match="sync: waits must be an int, got str"):
         _ops.sync(run, -1, 1, ["0"], None)
     with pytest.raises(ValueError, match="stream 2 is outside the pool of 2 streams"):
@@ -423,6 +430,27 @@ def test_the_c_functions_check_their_arguments():
         _ops.fork(2, [3], 1, (torch.ones(1),))
     with pytest.raises(RuntimeError, match="waits on event 0, which has not been recorded"):
         _ops.sync(run, -1, 1, [0], None)
+    _ops.sync(run, 0, 1, (0,), None)  # records event 0, then waits on it
+    with pytest.raises(RuntimeError, match="event 0 is recorded twice"):
+        _ops.sync(run, 0, 0, [], None)
+    with pytest.raises(RuntimeError, match="event 0 is recorded twice"):
+        _ops.record_event(run, 0, 0)
+    with pytest.raises(ValueError, match="event 1 does not exist"):
+        _ops.record_event(run, 1, 0)
+    with pytest.raises(ValueError, match="stream -1 is outside the pool of 2 streams"):
+        _ops.sync(run, -1, -1, [], None)
+    errors = []
+
+    def elsewhere():
+        try:
+            _ops.sync(run, -1, 0, [], None)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "forked on another thread" in errors[0]
     with pytest.raises(TypeError, match="record_event: event must be an int, got NoneType"):
         _ops.record_event(run, None, 1)
     with pytest.raises(TypeError, match="the stream run holds no run"):
@@ -430,6 +458,76 @@ def test_the_c_functions_check_their_arguments():
     _ops.join(run, [1])
     with pytest.raises(RuntimeError, match="already joined"):
         _ops.join(run, [])
+
+
+@pytest.mark.no_sanitizer
+def test_fork_starts_a_joined_cpu_run_again_only_where_no_one_can_tell():
+    # An eager forward on CPU forks and drops a run per call; fork starts the
+    # last one again (same id) when nothing but fork's own slot holds it.
+    x = torch.ones(1)
+    run = _ops.fork(2, [1], 1, (x,))
+    first = run.id()
+    _ops.join(run, [1])
+    del run
+    again = _ops.fork(3, [1, 2], 2, (x,))
+    assert again.id() == first
+    # As a new run would be: three streams, no event recorded yet.
+    with pytest.raises(RuntimeError, match="waits on event 1, which has not been recorded"):
+        _ops.sync(again, 0, 2, [1], None)
+    _ops.sync(again, 1, 0, [0, 1], None)
+    with pytest.raises(RuntimeError, match="event 1 is recorded twice"):
+        _ops.record_event(again, 1, 0)
+    _ops.join(again, [1, 2])
+    del again
+    # Held by the caller, or as a ScriptObject: a new run.
+    held = _ops.fork(2, [1], 0, (x,))
+    assert held.id() == first
+    other = _ops.fork(2, [1], 0, (x,))
+    assert other.id() != first
+    _ops.join(other, [1])
+    _ops.join(held, [1])
+    script = held.script_object()
+    del held, other
+    assert _ops.fork(2, [1], 0, (x,)).id() != first
+    del script
+    # Bad arguments are refused as ever, a run to start again or not.
+    run = _ops.fork(2, [1], 0, (x,))
+    _ops.join(run, [1])
+    del run
+    with pytest.raises(ValueError, match="num_streams must be in 1..32, got 0"):
+        _ops.fork(0, [], 0, (x,))
+    # Started again inside autocast, a run turns its weight cache off and
+    # back on, as a new one does.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run = _ops.fork(2, [1], 0, (x,))
+        assert not torch.is_autocast_cache_enabled()
+        _ops.join(run, [1])
+        assert torch.is_autocast_cache_enabled()
+        del run
+    # An observer tells runs apart by id: each forward gets a new one.
+    ids = set()
+    with torch_stage.sanitize_streams():
+        for _ in range(2):
+            run = _ops.fork(2, [1], 0, (x,))
+            ids.add(run.id())
+            _ops.join(run, [1])
+            del run
+    assert len(ids) == 2
+
+
+def test_the_profiler_sees_each_stream_op_of_an_eager_cpu_forward():
+    rewritten = torch_stage.multi_stream(_TwoBranches(), num_streams=2)
+    x = torch.randn(2, 4)
+    rewritten(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rewritten(x)
+    names = sorted(e.name for e in prof.events() if e.name.startswith("torch_stage::"))
+    assert names == [
+        "torch_stage::fork",
+        "torch_stage::join",
+        "torch_stage::sync",
+        "torch_stage::sync",
+    ]
 
 
 def test_calls_the_c_functions_do_not_take_go_through_the_ops():

@@ -44,10 +44,10 @@ def test_two_towers_are_rewritten_as_planned():
     assert stream_calls(gm) == [
         ("fork", 2, [1], 1),
         # Input y is read on stream 1: its memory is marked used there.
-        ("sync", -1, 1, [], ("y",)),
+        ("sync", -1, 1, (), ("y",)),
         # y_out's event, recorded on stream 1 as the sync leaves it; the
         # add waits on stream 0 and keeps y_out's memory for stream 0.
-        ("sync", 0, 0, [0], ("y_out",)),
+        ("sync", 0, 0, (0,), ("y_out",)),
         ("join", []),
     ]
     order = [n.name for n in gm.graph.nodes]

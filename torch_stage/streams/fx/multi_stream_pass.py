@@ -995,7 +995,7 @@ class _Rewrite(PlanWriter):
             record = self.pending.args[1]
             self.graph.erase_node(self.pending)
             self.pending = None
-        self._call(_ops.sync, self.run_node, record, s, list(waits), tuple(keeps) or None)
+        self._call(_ops.sync, self.run_node, record, s, tuple(waits), tuple(keeps) or None)
 
     def place(self, n: torch.fx.Node, s: int) -> None:
         # Device work on the current stream: a pending record stays before

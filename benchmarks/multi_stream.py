@@ -229,6 +229,14 @@ def bench_models(device, batch, iters, inductor, rounds=5):
             for name, v in per_round.items()
             if name != "eager_single_stream"
         }
+        # Issue 36's measure: what the stream calls add to the graph they
+        # are inserted in.
+        row["multi_vs_fx_per_round_median"] = round(
+            statistics.median(
+                m / f for m, f in zip(per_round["eager_multi_stream"], per_round["fx_graph_module"])
+            ),
+            3,
+        )
         if device == "cpu":
             # On a GPU the C++ program would time only the launches.
             cpp, why = _cpp_us(variants, inputs, max(1, iters // rounds), rounds)
@@ -258,6 +266,7 @@ def _table_row(row, key):
     cells = "  ".join(
         f"{name} {ms:.3f} ({ratio[name]:.3f}x)" for name, ms in times.items() if name in _TABLE
     )
+    cells += f"  multi/fx {row['multi_vs_fx_per_round_median']:.3f}x"
     cpp = row.get("cpp_us")
     if cpp is not None:
         us = cpp["us_per_call"]

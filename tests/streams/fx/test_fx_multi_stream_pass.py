@@ -130,15 +130,51 @@ def test_the_input_graph_module_is_not_modified():
     assert gm.x_hidden.weight is traced.x_hidden.weight
 
 
-def test_constants_are_created_on_each_stream_that_reads_them():
-    gm = MultiStreamPass(num_streams=4, strategy="min_sync", verify=True)(InPlaceModel())
+def test_a_constant_of_the_inputs_that_streams_share_is_made_once_before_the_fork():
+    model = InPlaceModel()
+    gm = MultiStreamPass(num_streams=4, strategy="min_sync", verify=True)(model)
+    plan = gm.stream_plan
+    streams = sorted({plan.assignment["mul"], plan.assignment["mul_1"]})
+    assert len(streams) == 2
+    assert plan.shared_constants == {"ones_like": streams}
+    assert plan.constants == {}
+    assert "constant ones_like made once before the fork" in str(plan)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    (made,) = [n for n in nodes if n.target is torch.ones_like]
+    assert nodes.index(made) < nodes.index(next(n for n in nodes if n.target is _ops.fork))
+    # Marked used on the side stream by the sync that first switches to
+    # it, not by a sync of its own.
+    side = streams[1]
+    (first,) = [n for n in nodes if n.target is _ops.sync and n.args[2] == side][:1]
+    assert made in first.args[4]
+    # No wait is due to a constant.
+    assert all(w.after != "ones_like" for w in plan.waits)
+    x = torch.randn(4, 32)
+    assert torch.equal(gm(x), model(x))
+
+
+class _ConstantOfAResult(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        scale = torch.ones_like(h)  # made from a result: cannot move before the fork
+        return self.b(h) * scale + self.c(h) * scale
+
+
+def test_constants_that_cannot_move_before_the_fork_are_made_on_each_stream_that_reads_them():
+    gm = MultiStreamPass(num_streams=4, strategy="min_sync", verify=True)(_ConstantOfAResult())
     plan = gm.stream_plan
     streams = plan.constants["ones_like"]
-    assert streams == sorted({plan.assignment["mul"], plan.assignment["mul_1"]})
+    assert len(streams) == 2
+    assert plan.shared_constants == {}
     copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ones_like]
     assert len(copies) == len(streams)
-    # No wait is due to a constant.
-    assert all(w.after not in ("ones_like",) for w in plan.waits)
+    assert all(w.after != "ones_like" for w in plan.waits)
 
 
 def test_parameters_and_inputs_never_cause_waits():

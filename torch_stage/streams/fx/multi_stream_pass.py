@@ -933,6 +933,8 @@ class _Rewrite(PlanWriter):
     """Inserts torch_stage's stream ops into ``graph`` following a raw plan
     (the module doc shows what goes where)."""
 
+    share_constants = True
+
     def __init__(
         self,
         root: torch.nn.Module,

@@ -49,6 +49,9 @@ class StreamPlan:
         fork: side streams that wait for the caller's stream at entry.
         join: side streams the caller's stream waits on at exit.
         constants: constant node name -> streams it is created on.
+        shared_constants: constant node name -> streams that read it, for
+            constants made once, before the fork (the eager rewrite's,
+            where only forward's inputs make them).
         cross_stream_edges: dependencies between nodes on different streams
             (each is ordered by a wait, directly or through earlier ones).
         note: what became of the plan where it did not run as planned (the
@@ -71,6 +74,7 @@ class StreamPlan:
     fork: List[int]
     join: List[int]
     constants: Dict[str, List[int]] = field(default_factory=dict)
+    shared_constants: Dict[str, List[int]] = field(default_factory=dict)
     cross_stream_edges: int = 0
     chains: int = 0
     groups: int = 0
@@ -124,6 +128,8 @@ class StreamPlan:
             lines.append(line.rstrip())
         for name, streams in self.constants.items():
             lines.append(f"  constant {name} created on streams {streams}")
+        for name, streams in self.shared_constants.items():
+            lines.append(f"  constant {name} made once before the fork, read on streams {streams}")
         if self.fork:
             if self.join:
                 lines.append(f"  join: stream 0 waits on streams {self.join}")

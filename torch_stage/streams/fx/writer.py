@@ -17,7 +17,14 @@ theirs. The walk decides the rest, the same for both:
 
 * constants (``torch.zeros(n)``) are made again on each stream that reads
   them, once per stream, as DeepRec duplicates Const nodes, so they never
-  cause a wait;
+  cause a wait. A writer with :attr:`PlanWriter.share_constants` makes a
+  constant that only forward's inputs decide (``ones_like(x)``) and that
+  device nodes of several streams read once instead, before the fork: the
+  fork orders it before every side stream, as it does forward's inputs,
+  and it is marked used on each side stream that reads it, as they are. A
+  copy per stream costs the eager rewrite a launch each (on CPU, in_place's
+  ``ones_like`` was 3% of its forward); inductor folds a constant into each
+  reader's kernel, where a copy costs nothing;
 * forward's inputs read on a side stream are marked used on it the first
   time (gpu-review #4: a caller that hands over its last reference frees
   them onto its own stream during forward);
@@ -54,6 +61,10 @@ class PlanWriter(ABC):
       side streams.
     """
 
+    #: Make a constant that several streams read once, before the fork,
+    #: where it can be (see the module doc).
+    share_constants = False
+
     def __init__(self, graph: torch.fx.Graph, analysis, raw: dict, stream_plan):
         self.graph = graph
         self.analysis = analysis
@@ -75,6 +86,9 @@ class PlanWriter(ABC):
         self.current = 0
         # (input, stream) pairs already marked used on a side stream.
         self.kept_inputs: Set[Tuple[torch.fx.Node, int]] = set()
+        # Constants made once before the fork (share_constants): read as
+        # forward's inputs are.
+        self.shared: Dict[torch.fx.Node, List[int]] = {}
 
     # -- hooks ------------------------------------------------------------
 
@@ -111,7 +125,14 @@ class PlanWriter(ABC):
         # After the last placeholder, not the first non-placeholder: graphs
         # from torch.export put their get_attr nodes before the inputs.
         last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
-        with self.graph.inserting_before(nodes[last + 1]):
+        if self.share_constants:
+            self.shared = self._constants_to_share()
+        for c in self.shared:
+            # In graph order: a shared constant may read an earlier one.
+            nodes[last + 1].prepend(c)
+            self.place(c, 0)
+        nodes = list(self.graph.nodes)
+        with self.graph.inserting_before(nodes[last + 1 + len(self.shared)]):
             self.fork(placeholders)
         for n in nodes:
             kind = self.analysis.kind[n]
@@ -128,11 +149,38 @@ class PlanWriter(ABC):
             if not c.users:
                 self.graph.erase_node(c)
         self.plan.constants = constants
+        self.plan.shared_constants = {c.name: streams for c, streams in self.shared.items()}
+
+    def _constants_to_share(self) -> Dict[torch.fx.Node, List[int]]:
+        """Constants to make once before the fork, with the streams that
+        read them: made from forward's inputs alone (so they can move
+        before the fork), and read by device nodes (or the output) alone,
+        on two streams or more. A constant a view, a host node or another
+        constant reads is made per stream, as before."""
+        shared: Dict[torch.fx.Node, List[int]] = {}
+        for c in self.analysis.constants:
+            if any(a.op != "placeholder" for a in c.all_input_nodes):
+                continue
+            streams = set()
+            for u in c.users:
+                kind = self.analysis.kind.get(u)
+                if kind == DEVICE:
+                    streams.add(self.stream[self.analysis.index[u]])
+                elif kind == OUTPUT:
+                    streams.add(0)
+                else:
+                    break
+            else:
+                if len(streams) > 1:
+                    shared[c] = sorted(streams)
+        return shared
 
     def _device_node(self, n: torch.fx.Node) -> None:
         i = self.analysis.index[n]
         s = self.stream[i]
         keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
+        if s != self.current:
+            keeps += self._shared_first_on(s)
         keeps += self._inputs_first_read(n, s)
         if self.needs_sync(s, self.waits[i], keeps):
             with self.graph.inserting_before(n):
@@ -154,7 +202,7 @@ class PlanWriter(ABC):
             for v in n.all_input_nodes
             if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
         ]
-        if keeps or any(self.analysis.kind.get(v) == CONST for v in n.all_input_nodes):
+        if keeps or any(self._constant_made(v) for v in n.all_input_nodes):
             with self.graph.inserting_before(n):
                 self.sync(0, [], keeps)
             self.current = 0
@@ -184,13 +232,27 @@ class PlanWriter(ABC):
             n.replace_input_with(c, self.copies[key])
 
     def _constant_made(self, c: torch.fx.Node) -> bool:
-        """``c`` is a constant, or a view of constants only."""
+        """``c`` is a constant made per stream, or a view of constants only."""
         kind = self.analysis.kind.get(c)
         if kind == CONST:
-            return True
+            return c not in self.shared
         if kind != ALIAS or self.analysis.roots(c):
             return False
         return any(self._constant_made(a) for a in c.all_input_nodes)
+
+    def _shared_first_on(self, s: int) -> List[torch.fx.Node]:
+        """Shared constants that side stream ``s`` reads, where the walk
+        first switches to ``s``: marked used there, at a sync the switch
+        makes anyway, not at a sync of their own before their reader."""
+        if s == 0:
+            return []
+        found = [
+            c
+            for c, streams in self.shared.items()
+            if s in streams and (c, s) not in self.kept_inputs
+        ]
+        self.kept_inputs.update((c, s) for c in found)
+        return found
 
     def _inputs_first_read(self, n: torch.fx.Node, s: int) -> List[torch.fx.Node]:
         """Forward's inputs that ``n`` reads, directly or through views, on
@@ -207,7 +269,7 @@ class PlanWriter(ABC):
 
     def _input_roots(self, v: torch.fx.Node) -> List[torch.fx.Node]:
         kind = self.analysis.kind.get(v)
-        if kind == INPUT:
+        if kind == INPUT or v in self.shared:
             return [v]
         if kind != ALIAS:
             return []

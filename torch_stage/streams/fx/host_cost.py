@@ -265,6 +265,8 @@ def _timings(device: torch.device) -> HostCosts:
             run = _ops.fork(2, [1], 0, probes)
             neg(x)
             _ops.join(run, [1])
+            # Dropped, as a forward drops it: fork may start it again then.
+            run = None
 
     def switching(keep=None):
         def body():

@@ -791,7 +791,10 @@ class GeneratorReader {
 // making ended is the loop's) and one when the making ends (the pull's),
 // with no call of its own. Installed by the loader for a stage without
 // transform while it watches; readings span only batches made this way
-// (a begin_own_item() that fails, with a producer at work, starts over).
+// (a begin_own_item() that fails, with a producer at work, starts over),
+// with no pull of the stage between them (the loop's reading comes after
+// begin_own_item(), whose positions say whether one ran: a producer the
+// tuner started as the last batch ended, or a take()).
 // Used with the GIL held, by the thread that calls _own_next.
 //
 // News is written to `signal`'s first byte (a bytearray the loader reads
@@ -819,7 +822,15 @@ class GeneratorWatch {
   GeneratorWatch(const GeneratorWatch&) = delete;
   GeneratorWatch& operator=(const GeneratorWatch&) = delete;
 
-  void loop_resumes() {
+  // `positions`: the stage's pulls so far (Stage::begin_own_item). Where
+  // they moved since the last reading, a pull ran in between, on a
+  // producer or in a take(): what changed is not the loop's alone, and
+  // this reading only starts over.
+  void loop_resumes(int64_t positions) {
+    if (positions != positions_) {
+      valid_ = false;
+      positions_ = positions;
+    }
     read_into(&loop_);
   }
   void made() {
@@ -872,6 +883,7 @@ class GeneratorWatch {
   GeneratorReader::Reading last_;
   bool valid_ = false;
   bool stale_ = false;
+  int64_t positions_ = -1;
   uint32_t loop_ = 0;
   uint32_t pull_ = 0;
 };
@@ -902,18 +914,24 @@ PyObject* own_next(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n) {
         Py_TYPE(args[0])->tp_name);
     return nullptr;
   }
+  int64_t positions = 0;
+  if (!s->stage().begin_own_item(&positions)) {
+    if (s->watch) {
+      s->watch->start_over();
+    }
+    Py_INCREF(args[0]);
+    return args[0];
+  }
+  // After begin_own_item(), not before: a producer the tuner started when
+  // the last item ended may have pulled (and drawn) since the last
+  // reading; begin_own_item() says so (the positions moved) and, true,
+  // keeps producers off until end_own_item().
   try {
     if (s->watch) {
-      s->watch->loop_resumes();
-    }
-    if (!s->stage().begin_own_item()) {
-      if (s->watch) {
-        s->watch->start_over();
-      }
-      Py_INCREF(args[0]);
-      return args[0];
+      s->watch->loop_resumes(positions);
     }
   } catch (py::error_already_set& e) {
+    s->stage().end_own_item(false);
     e.restore();
     return nullptr;
   }

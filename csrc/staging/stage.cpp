@@ -1309,7 +1309,7 @@ TakeStatus Stage::take_for(
 // as before, each DataLoader batch of 16 or 64 small rows paid two.
 constexpr int64_t kOwnCpuEveryNs = 1'000'000;
 
-bool Stage::begin_own_item() {
+bool Stage::begin_own_item(int64_t* positions) {
   State& st = *state_;
   if (!st.consumers_produce() || st.stop.load()) {
     return false;
@@ -1321,6 +1321,9 @@ bool Stage::begin_own_item() {
     return false;
   }
   st.consumer_owns = true;
+  if (positions != nullptr) {
+    *positions = st.next_index;
+  }
   st.own_cpu_start_ns = st.own_items == 0 || st.own_unread_ns >= kOwnCpuEveryNs
       ? thread_cpu_ns()
       : -1;

@@ -352,8 +352,11 @@ class Stage {
   // the tuner lets work meanwhile wait for it). False: take() as usual.
   // Never blocks (a try-lock of the source lock), so it may be called
   // holding a lock that producers need (the GIL). Positions are the
-  // stage's own: an item made this way is not one of them.
-  bool begin_own_item();
+  // stage's own: an item made this way is not one of them. `positions`,
+  // where given and the result is true: the positions the stage's pulls
+  // (producers', and consumers' inside take()) have taken so far, which
+  // tells a caller whether any pull ran between two of its own items.
+  bool begin_own_item(int64_t* positions = nullptr);
   // Ends what begin_own_item() began. `made`: an item came of it, counted
   // as produced inline and taken (stats, the tuner, which runs here as
   // after a take); false: the source ended or raised, which is the

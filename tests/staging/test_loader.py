@@ -369,10 +369,14 @@ def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(gen
     assert reason in s["tuning"]["decisions"][-1], s["tuning"]
 
 
-def test_the_stage_watch_signals_news_in_its_byte_and_keeps_it_for_a_takeover(monkeypatch):
-    # A call that finds a producer at work (begin_own_item false) has
-    # already read what the loop drew: the Python watch that takes over
-    # from there starts with it, and the loader acts on it at once.
+def test_a_call_that_finds_a_producer_at_work_puts_nothing_on_the_loop_and_hands_over(
+    monkeypatch,
+):
+    # Since the stage watch's last reading, a producer at work (begin_own_item
+    # false) may have drawn: the interval tells nothing, so the call reads
+    # nothing; the Python watch, which sees where batches are made, takes
+    # over and finds the loop's draws from there. (Before, the call read
+    # first and put such a producer's draws on the loop.)
     draw = _DRAWS["torch"]
     loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
     it = iter(loader)
@@ -381,7 +385,7 @@ def test_the_stage_watch_signals_news_in_its_byte_and_keeps_it_for_a_takeover(mo
     impl = it._own_impl
     assert impl.watch_state() == (0, 1, False)  # the dataset drew
     assert it._watch_signal == bytearray(1)  # its news taken
-    draw()  # the loop draws
+    draw()  # the loop, or a producer: the next call cannot tell which
     real = _loader._own_next
 
     def producer_at_work(stage, iterator):
@@ -389,7 +393,7 @@ def test_the_stage_watch_signals_news_in_its_byte_and_keeps_it_for_a_takeover(mo
         assert stage.begin_own_item()  # as a producer's item would
         try:
             assert real(stage, iterator) is stage
-            assert it._watch_signal == bytearray(b"\x01")
+            assert it._watch_signal == bytearray(1)  # nothing read
             return stage
         finally:
             stage.end_own_item(False)
@@ -397,10 +401,36 @@ def test_the_stage_watch_signals_news_in_its_byte_and_keeps_it_for_a_takeover(mo
     monkeypatch.setattr(_loader, "_own_next", producer_at_work)
     next(it)
     assert not it._own_watch  # the Python watch took over
+    assert impl.watch_state()[0] == 0
     reason = "no staging thread: the batches' making and the training loop both draw"
+    assert not any(reason in line for line in loader.stats()["tuning"]["decisions"])
+    for _ in range(3):
+        draw()  # the loop draws
+        next(it)
     assert any(reason in line for line in loader.stats()["tuning"]["decisions"])
     with pytest.raises(TypeError, match="signal must be a bytearray"):
         impl.watch_generators(_loader._watch_reader(), b"x")
+
+
+def test_a_pull_of_the_stage_between_two_batches_of_the_loop_is_not_the_loops_draw():
+    # A producer the tuner starts as the loop's batch ends may pull, and
+    # draw, before the loop's next batch; so may a take(). The stage's watch
+    # read the generators at the next batch's start and put that draw on
+    # the loop: a loop that draws nothing lost staging for good at the
+    # tuner's first trial.
+    draw = _DRAWS["torch"]
+    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    impl = it._own_impl
+    assert impl.watch_state() == (0, 1, False)  # the dataset drew
+    impl.next()  # a take: the stage pulls a batch, which draws
+    next(it)
+    assert impl.watch_state() == (0, 1, False)  # not the loop
+    draw()  # the loop draws: found, as ever
+    next(it)
+    assert impl.watch_state() == (1, 1, False)
 
 
 @pytest.mark.parametrize("generator", list(_DRAWS))

@@ -1554,8 +1554,9 @@ class _LoaderIter:
                     return batch
             if self._own_watch:
                 # A producer is at work: the Python watch, which sees where
-                # batches are made, watches from here on (with what the
-                # stage's watch found, up to this call's reading).
+                # batches are made, watches from here on, with what the
+                # stage's watch found up to its last reading (this call read
+                # nothing: the producer may have drawn since).
                 if impl.watch_news():
                     self._watch_news(impl, draws)
                 impl.watch_generators(None)

@@ -1115,7 +1115,7 @@ def test_a_generator_that_is_no_generator_raises_the_plain_type_error(cls_stagin
 
 
 _PATCHES = """
-import sys, warnings
+import sys, time, warnings
 import torch
 from torch.jit import _builtins
 
@@ -1131,8 +1131,16 @@ def warn_builtins():
 builtins = warn_builtins()
 
 
-def untouched(when):
-    now = (warnings.warn, warnings.catch_warnings.__enter__, warnings.catch_warnings.__exit__)
+def untouched(when, settle_s=0.0):
+    # settle_s: a loop left early, or an iterator closed, returns while a
+    # staging thread may still be inside the dataset; the recorder goes
+    # when it leaves (close() says so), so wait for that, bounded.
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = (warnings.warn, warnings.catch_warnings.__enter__, warnings.catch_warnings.__exit__)
+        if now == original or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
     assert now == original, (when, now, original)
     assert warn_builtins() == builtins, when
 
@@ -1156,13 +1164,13 @@ del x
 import gc
 
 gc.collect()
-untouched("after a loop left with break")
+untouched("after a loop left with break", settle_s=10)
 it = iter(loader)
 next(it)
 it.close() if hasattr(it, "close") else None
 del it
 gc.collect()
-untouched("after an iterator closed")
+untouched("after an iterator closed", settle_s=10)
 print("ok")
 """
 

@@ -153,6 +153,28 @@ def test_a_constant_of_the_inputs_that_streams_share_is_made_once_before_the_for
     assert torch.equal(gm(x), model(x))
 
 
+class _InputReshapedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.unsqueeze_(1)  # ones_like(x) before this line has another shape
+        scale = torch.ones_like(x)
+        return self.a(x) * scale + self.b(x) * scale
+
+
+def test_a_constant_of_an_input_written_in_place_stays_after_the_write():
+    model = _InputReshapedInPlace()
+    gm = MultiStreamPass(num_streams=4, strategy="min_sync", verify=True)(model)
+    plan = gm.stream_plan
+    assert len({plan.assignment["a"], plan.assignment["b"]}) == 2
+    assert plan.shared_constants == {}
+    x = torch.randn(4, 8)
+    assert torch.equal(gm(x.clone()), model(x.clone()))
+
+
 class _ConstantOfAResult(nn.Module):
     def __init__(self):
         super().__init__()

@@ -190,6 +190,7 @@ class GraphAnalysis:
         written = {
             self._families.find(self.position[t]) for ts in self.mutated.values() for t in ts
         }
+        self._written = written
         for n in self.nodes:
             if self.kind[n] == CONST and (
                 n in self.mutated or self._families.find(self.position[n]) in written
@@ -228,6 +229,11 @@ class GraphAnalysis:
             _ShapeAndAlias(runnable).propagate(*inputs)
 
     # -- classification ---------------------------------------------------
+
+    def written_in_place(self, n: torch.fx.Node) -> bool:
+        """Whether a node of the graph writes ``n``, or what ``n`` may
+        alias, in place (its shape too may change: ``unsqueeze_``)."""
+        return n in self.mutated or self._families.find(self.position[n]) in self._written
 
     def roots(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         """The device nodes whose result ``n`` is or aliases."""

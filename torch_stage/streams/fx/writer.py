@@ -127,12 +127,13 @@ class PlanWriter(ABC):
         last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
         if self.share_constants:
             self.shared = self._constants_to_share()
+        # The first node after the inputs that stays where it is; shared
+        # constants go before it, in graph order, and the fork after them.
+        anchor = next(n for n in nodes[last + 1 :] if n not in self.shared)
         for c in self.shared:
-            # In graph order: a shared constant may read an earlier one.
-            nodes[last + 1].prepend(c)
+            anchor.prepend(c)
             self.place(c, 0)
-        nodes = list(self.graph.nodes)
-        with self.graph.inserting_before(nodes[last + 1 + len(self.shared)]):
+        with self.graph.inserting_before(anchor):
             self.fork(placeholders)
         for n in nodes:
             kind = self.analysis.kind[n]
@@ -153,13 +154,17 @@ class PlanWriter(ABC):
 
     def _constants_to_share(self) -> Dict[torch.fx.Node, List[int]]:
         """Constants to make once before the fork, with the streams that
-        read them: made from forward's inputs alone (so they can move
-        before the fork), and read by device nodes (or the output) alone,
-        on two streams or more. A constant a view, a host node or another
-        constant reads is made per stream, as before."""
+        read them: made from forward's inputs alone, none of them written in
+        place (so they can move before the fork and read the same), and
+        read by device nodes (or the output) alone, on two streams or more.
+        A constant a view, a host node or another constant reads is made
+        per stream, as before."""
         shared: Dict[torch.fx.Node, List[int]] = {}
         for c in self.analysis.constants:
-            if any(a.op != "placeholder" for a in c.all_input_nodes):
+            if any(
+                a.op != "placeholder" or self.analysis.written_in_place(a)
+                for a in c.all_input_nodes
+            ):
                 continue
             streams = set()
             for u in c.users:

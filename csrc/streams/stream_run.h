@@ -135,8 +135,9 @@ class StreamRun : public torch::CustomClassHolder {
       const c10::IValue& keep);
   // sync and record_event where all they do is their checks' bookkeeping:
   // on an inactive run, on its owner thread, with valid arguments and no
-  // StreamObserver. Inline, so that an eager forward on CPU makes no call
-  // into this library per op (csrc/python/stream_bindings.cpp). Return
+  // StreamObserver. Inline, so that an eager forward on CPU makes one call
+  // into this library per op (the observer's flag), not five
+  // (csrc/python/stream_bindings.cpp). Return
   // false, having changed nothing, otherwise: the caller then calls sync or
   // record_event, which do the work or say what is wrong.
   bool sync_inactive(

@@ -70,8 +70,6 @@ TEST(StreamRun, RejectsBadForks) {
       "num_events must be >= 0, got -1"));
 }
 
-// The diamond's plan (csrc/schedule tests): node 2 on stream 1 waits for
-// node 0's event; node 3 on stream 0 waits for node 2's.
 TEST(StreamRun, RestartsOnlyAJoinedInactiveRunNoOneElseHolds) {
   auto run = c10::make_intrusive<StreamRun>(
       std::nullopt, 2, std::vector<int64_t>{1}, 1);
@@ -117,6 +115,8 @@ TEST(StreamRun, TheInlinePathsLeaveAnythingButPlainBookkeepingToSync) {
   EXPECT_FALSE(run.sync_inactive(-1, 0, {})); // joined
 }
 
+// The diamond's plan (csrc/schedule tests): node 2 on stream 1 waits for
+// node 0's event; node 3 on stream 0 waits for node 2's.
 TEST(StreamRun, RunsAPlanOnADeviceWithStreams) {
   const auto device = fake_device(0);
   fake().take_log();

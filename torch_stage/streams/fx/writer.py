@@ -207,7 +207,9 @@ class PlanWriter(ABC):
             for v in n.all_input_nodes
             if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
         ]
-        if keeps or any(self._constant_made(v) for v in n.all_input_nodes):
+        if keeps or any(
+            self.analysis.kind.get(v) == CONST and v not in self.shared for v in n.all_input_nodes
+        ):
             with self.graph.inserting_before(n):
                 self.sync(0, [], keeps)
             self.current = 0

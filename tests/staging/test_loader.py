@@ -369,6 +369,18 @@ def test_a_seeded_run_whose_dataset_and_loop_draw_from_one_generator_repeats(gen
     assert reason in s["tuning"]["decisions"][-1], s["tuning"]
 
 
+def _two_batches_watched_by_the_stage(draw):
+    """A loader whose dataset draws with ``draw``, two batches in, made in
+    the loop under the stage's watch, which saw the dataset draw."""
+    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    impl = it._own_impl
+    assert impl.watch_state() == (0, 1, False)  # the dataset drew
+    return loader, it, impl
+
+
 def test_a_call_that_finds_a_producer_at_work_puts_nothing_on_the_loop_and_hands_over(
     monkeypatch,
 ):
@@ -378,12 +390,7 @@ def test_a_call_that_finds_a_producer_at_work_puts_nothing_on_the_loop_and_hands
     # over and finds the loop's draws from there. (Before, the call read
     # first and put such a producer's draws on the loop.)
     draw = _DRAWS["torch"]
-    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
-    it = iter(loader)
-    next(it)
-    next(it)
-    impl = it._own_impl
-    assert impl.watch_state() == (0, 1, False)  # the dataset drew
+    loader, it, impl = _two_batches_watched_by_the_stage(draw)
     assert it._watch_signal == bytearray(1)  # its news taken
     draw()  # the loop, or a producer: the next call cannot tell which
     real = _loader._own_next
@@ -419,12 +426,7 @@ def test_a_pull_of_the_stage_between_two_batches_of_the_loop_is_not_the_loops_dr
     # the loop: a loop that draws nothing lost staging for good at the
     # tuner's first trial.
     draw = _DRAWS["torch"]
-    loader = torch_stage.DataLoader(RandomCrops(draw), batch_size=2)
-    it = iter(loader)
-    next(it)
-    next(it)
-    impl = it._own_impl
-    assert impl.watch_state() == (0, 1, False)  # the dataset drew
+    _, it, impl = _two_batches_watched_by_the_stage(draw)
     impl.next()  # a take: the stage pulls a batch, which draws
     next(it)
     assert impl.watch_state() == (0, 1, False)  # not the loop

@@ -276,7 +276,7 @@ class PlanWriter(ABC):
 
     def _input_roots(self, v: torch.fx.Node) -> List[torch.fx.Node]:
         kind = self.analysis.kind.get(v)
-        if kind == INPUT or v in self.shared:
+        if kind == INPUT:
             return [v]
         if kind != ALIAS:
             return []

@@ -1,5 +1,6 @@
 """The benchmarks' statistics (benchmarks/_common.py): the confidence
-interval of a median that the DataLoader grid's verdicts rest on."""
+interval of a median that the DataLoader benchmarks' verdicts rest on, and
+the per-batch benchmark's verdict."""
 
 import math
 import os
@@ -50,3 +51,16 @@ def test_coverage_holds_for_a_skewed_distribution():
         covered += low <= 1.0 <= high
     # 96.5% nominal for n = 15; 4000 trials: standard error ~0.3%
     assert covered / trials >= 0.95
+
+
+def test_the_per_batch_verdict_holds_the_whole_interval_to_the_bound():
+    # benchmarks/dataloader_per_batch.py: ours minus plain, in us a batch.
+    from dataloader_per_batch import verdict
+
+    assert verdict(-4.2, 2.3, 3.0, 0.96) == "shown"
+    assert verdict(-1.0, 3.0, 3.0, 0.96) == "shown"  # at the bound
+    # A median under the bound is not enough: the interval must be.
+    assert verdict(-2.3, 5.0, 3.0, 0.96) == "unresolved"
+    assert verdict(3.5, 9.0, 3.0, 0.96) == "over"
+    assert verdict(-268.0, -38.2, 24.8, 0.96) == "shown"
+    assert verdict(-1.0, 1.0, 3.0, 0.9375) == "too few rounds"

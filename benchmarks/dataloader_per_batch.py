@@ -25,7 +25,8 @@ round on a 2-vCPU machine, so those cells take more and longer rounds
 (--worker-rounds, --batches): on this project's VM 40 rounds of 2,000
 batches resolved every cell, and 40 of 1,000 or 12 of 2,000 did not.
 Without workers, batch size 64 took 41 rounds (--rounds) there, where 21
-left its interval wider than the bound.
+left its interval wider than the bound; in a slower hour even 41 left
+batch sizes 16 and 64 unresolved, two plain loaders spreading as wide.
 
 It also times the generator watch (torch_stage.DataLoader's check, over the
 first 64 batches of an epoch, of whether a batch's making and the loop draw

@@ -83,3 +83,26 @@ def median_ci(values, level: float = 0.95):
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
         k += 1
     return xs[k - 1], xs[n - k], coverage(k)
+
+
+def verdict(interval, *, at_least=None, at_most=None) -> str:
+    """Whether a median is shown to be at least ``at_least`` (or at most
+    ``at_most``; give one), from its ``median_ci`` interval (low, high,
+    coverage): ``shown`` when the whole interval lies on the bound's side
+    (the bound itself included), ``violated`` when it lies wholly beyond,
+    ``unresolved`` when it straddles the bound (more rounds or a quieter
+    machine may settle it), ``too few rounds`` under 95% coverage."""
+    if (at_least is None) == (at_most is None):
+        raise ValueError("verdict needs exactly one of at_least and at_most")
+    low, high, coverage = interval
+    if coverage < 0.95:
+        return "too few rounds"
+    if at_least is not None:
+        low, high, bound = -high, -low, -at_least
+    else:
+        bound = at_most
+    if high <= bound:
+        return "shown"
+    if low > bound:
+        return "violated"
+    return "unresolved"

@@ -58,7 +58,7 @@ import time
 
 import torch
 import torch.utils.data as tud
-from _common import add_json_argument, emit, machine, median_ci, progress
+from _common import add_json_argument, emit, machine, median_ci, progress, verdict
 
 import torch_stage
 
@@ -315,7 +315,7 @@ def cell(
             for k, (lo, hi, c) in intervals.items()
         },
         "within_3_percent": {
-            k: verdict(*v)
+            k: verdict(v, at_least=BOUND)
             for k, v in intervals.items()
             if k.startswith("ours") or k.startswith("staged")
         },
@@ -325,18 +325,6 @@ def cell(
         },
     }
     return row
-
-
-def verdict(low: float, high: float, coverage: float) -> str:
-    """Whether the median ratio is shown to be >= BOUND, from its interval
-    (see the docstring)."""
-    if coverage < 0.95:
-        return "too few rounds"
-    if low >= BOUND:
-        return "shown"
-    if high < BOUND:
-        return "violated"
-    return "unresolved"
 
 
 GRID = {

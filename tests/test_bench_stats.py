@@ -1,6 +1,6 @@
 """The benchmarks' statistics (benchmarks/_common.py): the confidence
-interval of a median that the DataLoader benchmarks' verdicts rest on, and
-the per-batch benchmark's verdict."""
+interval of a median and the verdict on a bound that the DataLoader
+benchmarks rest on."""
 
 import math
 import os
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 
-from _common import median_ci  # noqa: E402
+from _common import median_ci, verdict  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -53,14 +53,20 @@ def test_coverage_holds_for_a_skewed_distribution():
     assert covered / trials >= 0.95
 
 
-def test_the_per_batch_verdict_holds_the_whole_interval_to_the_bound():
-    # benchmarks/dataloader_per_batch.py: ours minus plain, in us a batch.
-    from dataloader_per_batch import verdict
-
-    assert verdict(-4.2, 2.3, 3.0, 0.96) == "shown"
-    assert verdict(-1.0, 3.0, 3.0, 0.96) == "shown"  # at the bound
+def test_a_verdict_holds_the_whole_interval_to_the_bound():
+    # At most: dataloader_per_batch.py's ours minus plain, in us a batch.
+    assert verdict((-4.2, 2.3, 0.96), at_most=3.0) == "shown"
+    assert verdict((-1.0, 3.0, 0.96), at_most=3.0) == "shown"  # at the bound
     # A median under the bound is not enough: the interval must be.
-    assert verdict(-2.3, 5.0, 3.0, 0.96) == "unresolved"
-    assert verdict(3.5, 9.0, 3.0, 0.96) == "over"
-    assert verdict(-268.0, -38.2, 24.8, 0.96) == "shown"
-    assert verdict(-1.0, 1.0, 3.0, 0.9375) == "too few rounds"
+    assert verdict((-2.3, 5.0, 0.96), at_most=3.0) == "unresolved"
+    assert verdict((3.5, 9.0, 0.96), at_most=3.0) == "violated"
+    assert verdict((-268.0, -38.2, 0.96), at_most=24.8) == "shown"
+    # At least: dataloader_grid.py's speed ratio against 0.97.
+    assert verdict((0.97, 1.02, 0.96), at_least=0.97) == "shown"  # at the bound
+    assert verdict((0.96, 1.02, 0.96), at_least=0.97) == "unresolved"
+    assert verdict((0.90, 0.969, 0.96), at_least=0.97) == "violated"
+    assert verdict((0.99, 1.0, 0.9375), at_least=0.97) == "too few rounds"
+    with pytest.raises(ValueError, match="exactly one"):
+        verdict((0.0, 1.0, 0.96))
+    with pytest.raises(ValueError, match="exactly one"):
+        verdict((0.0, 1.0, 0.96), at_least=0.0, at_most=1.0)

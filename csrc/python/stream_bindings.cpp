@@ -176,27 +176,34 @@ bool takes_run_call(
 
 // 1 when `obj` (or, for a tuple or list, an item of it) overrides
 // __torch_function__ or a TorchFunctionMode is active, 0 if not, -1 on error.
+// 0 where has_torch_function can tell without a call: no mode, and a plain
+// tensor, or a tuple or list of them and None; -1 where it cannot.
+int has_torch_function_inline(PyObject* obj) {
+  if (at::impl::torch_function_mode_enabled()) {
+    return -1;
+  }
+  if (THPVariable_CheckExact(obj)) {
+    return 0;
+  }
+  if (PyTuple_CheckExact(obj) || PyList_CheckExact(obj)) {
+    const Py_ssize_t size = PySequence_Fast_GET_SIZE(obj);
+    PyObject** items = PySequence_Fast_ITEMS(obj);
+    for (Py_ssize_t i = 0; i < size; ++i) {
+      if (items[i] != Py_None && !THPVariable_CheckExact(items[i])) {
+        return -1;
+      }
+    }
+    return 0;
+  }
+  return -1;
+}
+
 int has_torch_function(PyObject* obj) {
   // Without a mode, a plain tensor (or a tuple or list of them and None)
   // has none: decided here, as torch does, without a call (~0.4k
   // instructions). Anything else asks torch.
-  if (!at::impl::torch_function_mode_enabled()) {
-    if (THPVariable_CheckExact(obj)) {
-      return 0;
-    }
-    if (PyTuple_CheckExact(obj) || PyList_CheckExact(obj)) {
-      const Py_ssize_t size = PySequence_Fast_GET_SIZE(obj);
-      PyObject** items = PySequence_Fast_ITEMS(obj);
-      Py_ssize_t plain = 0;
-      while (
-          plain < size &&
-          (items[plain] == Py_None || THPVariable_CheckExact(items[plain]))) {
-        ++plain;
-      }
-      if (plain == size) {
-        return 0;
-      }
-    }
+  if (has_torch_function_inline(obj) == 0) {
+    return 0;
   }
   PyObject* r = PyObject_CallOneArg(fast_ops->has_torch_function, obj);
   if (r == nullptr) {
@@ -325,11 +332,80 @@ PyObject* fast_fork(
   END_HANDLE_TH_ERRORS
 }
 
+// What the inline paths below read without a Python error or a C++
+// exception: an exact int that fits, a tuple (or list) of at most 8 such,
+// a run whose constructor ran. Anything else is false, no error set: the
+// general path then reads it again and says what is wrong.
+bool plain_int(PyObject* obj, int64_t* out) {
+  if (!PyLong_CheckExact(obj)) {
+    return false;
+  }
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  return overflow == 0 && !(*out == -1 && PyErr_Occurred());
+}
+
+constexpr Py_ssize_t kInlineWaits = 8;
+
+bool plain_ints(PyObject* obj, int64_t* out, Py_ssize_t* size) {
+  if (!PyTuple_CheckExact(obj) && !PyList_CheckExact(obj)) {
+    return false;
+  }
+  *size = PySequence_Fast_GET_SIZE(obj);
+  if (*size > kInlineWaits) {
+    return false;
+  }
+  PyObject** items = PySequence_Fast_ITEMS(obj);
+  for (Py_ssize_t i = 0; i < *size; ++i) {
+    if (!plain_int(items[i], &out[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+StreamRun* plain_run(PyObject* obj) {
+  auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(
+      nullptr, false);
+  return v_h && v_h.holder_constructed() ? v_h.value_ptr<StreamRun>() : nullptr;
+}
+
+// Whether a profiler (or any RecordFunction callback) listens: then the
+// general paths make the call's RecordFunction.
+bool unobserved_call() {
+  return !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION)
+              .has_value();
+}
+
+// sync on an inactive run (a forward on CPU) with nothing to record,
+// check or say: the run's bookkeeping alone (StreamRun::sync_inactive),
+// without HANDLE_TH_ERRORS (whose warning handler is a fifth of a sync's
+// instructions) or a RecordCall. True when done; false, nothing changed
+// and no error set, for the general path to do the call.
+bool sync_inline(PyObject* const* args) {
+  PyObject* keep = args[4];
+  if (keep != Py_None && has_torch_function_inline(keep) != 0) {
+    return false;
+  }
+  StreamRun* run = plain_run(args[0]);
+  int64_t record = 0;
+  int64_t stream = 0;
+  int64_t waits[kInlineWaits];
+  Py_ssize_t count = 0;
+  return run != nullptr && plain_int(args[1], &record) &&
+      plain_int(args[2], &stream) && plain_ints(args[3], waits, &count) &&
+      unobserved_call() &&
+      run->sync_inactive(record, stream, c10::ArrayRef<int64_t>(waits, count));
+}
+
 PyObject* fast_sync(
     PyObject* /*self*/,
     PyObject* const* args,
     size_t nargsf,
     PyObject* kwnames) {
+  if (takes_run_call(args, nargsf, kwnames, 5) && sync_inline(args)) {
+    Py_RETURN_NONE;
+  }
   HANDLE_TH_ERRORS
   if (!takes_run_call(args, nargsf, kwnames, 5)) {
     return fall_back(kSync, args, nargsf, kwnames);
@@ -372,6 +448,17 @@ PyObject* fast_record_event(
     PyObject* const* args,
     size_t nargsf,
     PyObject* kwnames) {
+  // The inline path, as sync's (sync_inline).
+  if (takes_run_call(args, nargsf, kwnames, 3)) {
+    StreamRun* run = plain_run(args[0]);
+    int64_t event = 0;
+    int64_t stream = 0;
+    if (run != nullptr && plain_int(args[1], &event) &&
+        plain_int(args[2], &stream) && unobserved_call() &&
+        run->record_event_inactive(event, stream)) {
+      Py_RETURN_NONE;
+    }
+  }
   HANDLE_TH_ERRORS
   if (!takes_run_call(args, nargsf, kwnames, 3)) {
     return fall_back(kRecordEvent, args, nargsf, kwnames);

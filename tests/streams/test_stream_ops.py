@@ -410,6 +410,24 @@ def test_the_emitted_targets_are_c_functions_named_as_their_ops():
     assert torch.equal(copy(x), rewritten(x))
 
 
+@pytest.mark.no_sanitizer
+def test_what_the_inline_path_does_not_read_goes_the_general_way():
+    # More waits than the inline path holds, a bool for an int, an int too
+    # large: read by the general path, as before (errors included).
+    run = _ops.fork(2, [1], 10, (torch.ones(1),))
+    for e in range(9):
+        _ops.record_event(run, e, e % 2)
+    _ops.sync(run, 9, 1, list(range(10)), None)
+    with pytest.raises(RuntimeError, match="event 9 is recorded twice"):
+        _ops.record_event(run, 9, 0)
+    _ops.sync(run, -1, True, [], None)  # stream 1, as torch.ops reads a bool
+    with pytest.raises(OverflowError):
+        _ops.sync(run, -1, 2**70, [], None)
+    with pytest.raises(OverflowError):
+        _ops.record_event(run, -(2**70), 0)
+    _ops.join(run, [1])
+
+
 # Unobserved, a CPU run's sync and record_event take their inline path
 # (StreamRun::sync_inactive): the same checks, the same errors.
 @pytest.mark.parametrize("observed", [True, pytest.param(False, marks=pytest.mark.no_sanitizer)])

@@ -13,9 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_stage
 from torch_stage import _C
-from torch_stage.streams.fx import host_cost
+from torch_stage.streams.fx import MultiStreamPass, host_cost
+from torch_stage.streams.fx.analysis import GraphAnalysis
 from torch_stage.streams.fx.host_cost import HostCosts, host_costs, planning_with
 from torch_stage.streams.fx.multi_stream_pass import MultiStreamGraphModule
+from torch_stage.streams.fx.stream_plan import plan
 
 # Host costs of a GPU's order (a launch of a few microseconds, an event call
 # of one or two), given rather than measured so that the plans below do not
@@ -168,6 +170,59 @@ def test_a_branch_too_small_to_pay_for_its_events_stays_on_its_parents_stream():
     assert paid.assignment["mul"] == 0
     assert paid.assignment["a"] != paid.assignment["b"]
     assert paid.estimate.pays
+
+
+class _TinyStepOnALongBranch(nn.Module):
+    """A long branch (``b`` then ``c``), a short one (``a`` then ``d``), and
+    a tiny op of a second input launched between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Linear(1024, 4096)
+        self.c = nn.Linear(4096, 1024)
+        self.d = nn.Linear(1024, 1024)
+
+    def forward(self, x, y):
+        b = self.b(x)
+        a = self.a(x)
+        t = y * 2.0
+        a2 = self.d(a)
+        b2 = self.c(b)
+        return a2 + b2 + t.sum()
+
+
+def _long_branch_plan():
+    x, y = torch.randn(256, 1024), torch.randn(4)
+    graph_module = MultiStreamPass(num_streams=4).trace(_TinyStepOnALongBranch())
+    analysis = GraphAnalysis(graph_module, (x, y), None, 4)
+    names = [n.name for n in analysis.device_nodes]
+    assert names == ["b", "a", "mul", "d", "c", "add", "sum_1", "add_1"]
+    # The long branch on stream 1, the tiny op on it between b and c: a
+    # switch to it and back, on a stream that pays for itself.
+    given, raw = plan(analysis, "user", True, fixed=[1, 0, 1, 0, 1, 0, 0, 0])
+    return analysis, given, raw
+
+
+def test_a_branch_too_small_to_pay_for_its_calls_moves_where_its_stream_pays(monkeypatch):
+    analysis, given, raw = _long_branch_plan()
+    before = host_cost.plan_estimate(analysis, raw, GPU_LIKE)
+    paid, paid_raw = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    assert paid.assignment["mul"] == 0
+    assert paid.assignment["b"] == paid.assignment["c"] == 1
+    assert paid.estimate.calls == before.calls - 3
+    assert paid.estimate.planned_us < before.planned_us
+    assert paid.note == (
+        "1 branch too small to pay for the switches and events around it moved to a "
+        "neighbouring stream"
+    )
+    # Calls that cost nothing: the tiny op overlaps where it is.
+    free, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), HostCosts.free(), True)
+    assert free.assignment["mul"] == 1 and free.note == ""
+    # The tries are bounded.
+    monkeypatch.setattr(host_cost, "MAX_BRANCH_TRIALS", 0)
+    capped, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    assert capped.assignment["mul"] == 1
 
 
 def test_the_dearer_a_launch_the_fewer_streams_pay():

@@ -433,8 +433,13 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
     """``stream_plan`` made to pay, or declined: each side stream whose
     work saves less than its calls cost the host (by :func:`estimate`) is
     merged into the stream it forks from, least work first, while that
-    makes the forward faster; then, if the plan is still slower than one
-    stream, it is declined (every node on stream 0, a note saying why).
+    makes the forward faster; then each branch (consecutive nodes on a side
+    stream) whose kernels take less time than the calls around it goes to
+    the stream current before it or to its input's, where that makes the
+    forward faster (:func:`_small_branches`, at most
+    :data:`MAX_BRANCH_TRIALS` tries); then, if the plan is still slower
+    than one stream, it is declined (every node on stream 0, a note saying
+    why).
 
     Returns the plan and its raw form, with ``estimate`` set.
     """
@@ -442,22 +447,57 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
     edges = list(analysis.edges)
     first = best = plan_estimate(analysis, raw, host)
     merged: List[str] = []
+
+    def tried(streams):
+        tried_plan, tried_raw = plan(analysis, "user", verify, fixed=streams)
+        found = estimate(costs_us, edges, tried_raw, host)
+        if found.planned_us >= best.planned_us:
+            return None
+        return (
+            replace(
+                tried_plan,
+                strategy=stream_plan.strategy,
+                reason=stream_plan.reason,
+                chains=stream_plan.chains,
+                groups=stream_plan.groups,
+            ),
+            tried_raw,
+            found,
+        )
+
     while raw["fork"]:
         for side in _side_streams_by_work(raw["stream"], costs_us):
             parent = _parent_stream(side, raw["stream"], edges)
-            streams = [parent if s == side else s for s in raw["stream"]]
-            tried, tried_raw = plan(analysis, "user", verify, fixed=streams)
-            found = estimate(costs_us, edges, tried_raw, host)
-            if found.planned_us < best.planned_us:
+            better = tried([parent if s == side else s for s in raw["stream"]])
+            if better is not None:
                 merged.append(f"{side} into {parent}")
-                stream_plan = replace(
-                    tried,
-                    strategy=stream_plan.strategy,
-                    reason=stream_plan.reason,
-                    chains=stream_plan.chains,
-                    groups=stream_plan.groups,
-                )
-                raw, best = tried_raw, found
+                stream_plan, raw, best = better
+                break
+        else:
+            break
+    # Then branch by branch: a side stream that pays as a whole may still
+    # run a branch too small to pay for the switches and events around it.
+    branches = 0
+    trials = 0
+    failed = set()  # (first, last, target) tried without gain
+    while raw["fork"] and trials < MAX_BRANCH_TRIALS:
+        for first_node, last_node, targets in _small_branches(raw["stream"], costs_us, edges, host):
+            found_better = None
+            for target in targets:
+                if (first_node, last_node, target) in failed:
+                    continue
+                failed.add((first_node, last_node, target))
+                trials += 1
+                streams = list(raw["stream"])
+                streams[first_node : last_node + 1] = [target] * (last_node - first_node + 1)
+                found_better = tried(streams)
+                if found_better is not None or trials >= MAX_BRANCH_TRIALS:
+                    break
+            if found_better is not None:
+                branches += 1
+                stream_plan, raw, best = found_better
+                break
+            if trials >= MAX_BRANCH_TRIALS:
                 break
         else:
             break
@@ -479,12 +519,64 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
             {"fork": []},
         )
     stream_plan.estimate = best
+    notes = []
     if merged:
         shown = ", ".join(merged[:8]) + (f" and {len(merged) - 8} more" if len(merged) > 8 else "")
-        stream_plan.note = (
-            f"side streams merged where their calls cost more than they save: {shown}"
+        notes.append(f"side streams merged where their calls cost more than they save: {shown}")
+    if branches:
+        notes.append(
+            f"{branches} branch{'es' if branches > 1 else ''} too small to pay for the "
+            f"switches and events around {'them' if branches > 1 else 'it'} moved to a "
+            "neighbouring stream"
         )
+    if notes:
+        stream_plan.note = "; ".join(notes)
     return stream_plan, raw
+
+
+#: Branches :func:`paying_plan` tries on another stream, at most, per plan:
+#: each trial plans the graph's events again (tens of milliseconds at
+#: 10,000 nodes), and the smallest branches, which gain most, come first.
+MAX_BRANCH_TRIALS = 32
+
+
+def _small_branches(
+    stream: Sequence[int], costs_us: Sequence[float], edges: Sequence[tuple], host: HostCosts
+) -> List[tuple]:
+    """Branches of side streams whose kernels take less device time than
+    the calls around them can cost (a switch in and out, a record and a
+    wait each way), least work first: ``(first, last, targets)``, a run of
+    consecutive device nodes on one side stream in graph order, and the
+    streams to try it on: the one current before it (where it would need no
+    switch) and the one its first input from another stream comes from."""
+    limit = 2.0 * host.sync_us + 2.0 * (host.record_us + host.wait_us)
+    producers: Dict[int, List[int]] = {}
+    for u, v in edges:
+        producers.setdefault(v, []).append(u)
+    found = []
+    i, count = 0, len(stream)
+    while i < count:
+        j = i
+        while j + 1 < count and stream[j + 1] == stream[i]:
+            j += 1
+        s = stream[i]
+        work = sum(costs_us[i : j + 1])
+        if s != 0 and work < limit:
+            targets = []
+            if i > 0:
+                targets.append(stream[i - 1])
+            for k in range(i, j + 1):
+                outside = [stream[u] for u in sorted(producers.get(k, ())) if stream[u] != s]
+                if outside:
+                    targets.append(outside[0])
+                    break
+            else:
+                targets.append(0)
+            targets = list(dict.fromkeys(t for t in targets if t != s))
+            found.append((work, i, j, targets))
+        i = j + 1
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [(i, j, targets) for _, i, j, targets in found]
 
 
 def _side_streams_by_work(stream: Sequence[int], costs_us: Sequence[float]) -> List[int]:

@@ -366,12 +366,15 @@ _INDUCTOR = ["googlenet", "inception_v3", "mobilenet_v3_small"]
 @pytest.mark.parametrize("name", _INDUCTOR)
 def test_the_backend_on_inductor_equals_inductor_alone_and_eager(name):
     # The CPU has no streams: the backend gives inductor Dynamo's graph as
-    # it is, so three SGD steps equal inductor's bit for bit, and the eval
-    # output equals eager's within float tolerance. (Training is not
-    # compared with eager: over batch norm of a batch of two 2x2 maps,
-    # inductor's gradients differ from eager's by up to 3% of their norm on
-    # inception_v3, with or without torch_stage; dropout's random numbers
-    # are inductor's own.)
+    # it is, so three SGD steps and the eval output equal inductor's bit for
+    # bit, and the eval output equals eager's within float tolerance of its
+    # scale. (Training is not compared with eager: over batch norm of a
+    # batch of two 2x2 maps, inductor's gradients differ from eager's by up
+    # to 3% of their norm on inception_v3, with or without torch_stage;
+    # dropout's random numbers are inductor's own. After those steps
+    # inception_v3's logits reach 8e4, and on an AVX-512 CPU inductor's
+    # differ from eager's by up to 0.09 there, 1e-6 of that scale, with or
+    # without torch_stage.)
     def train(model, compiled):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         for step in range(3):
@@ -388,12 +391,17 @@ def test_the_backend_on_inductor_equals_inductor_alone_and_eager(name):
     compiled = torch.compile(ours, backend=backend)
     train(ours, compiled)
     torch._dynamo.reset()
-    train(alone, torch.compile(alone))
+    inductor = torch.compile(alone)
+    train(alone, inductor)
     for (key, p), q in zip(alone.named_parameters(), ours.parameters()):
         assert torch.equal(q, p), key
     eager.load_state_dict(ours.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(compiled.eval()(x), eager.eval()(x), rtol=1e-3, atol=1e-3)
+        got = compiled.eval()(x)
+        assert torch.equal(got, inductor.eval()(x))
+        expected = eager.eval()(x)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=max(1e-3, 1e-5 * scale))
     torch._dynamo.reset()
     assert backend.plans and all(p.note for p in backend.plans)
 

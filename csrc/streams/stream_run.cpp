@@ -103,7 +103,7 @@ std::optional<c10::Device> StreamRun::device_of(const c10::IValue& probes) {
 
 void StreamRun::check_fork(
     int64_t num_streams,
-    const std::vector<int64_t>& side_streams,
+    c10::ArrayRef<int64_t> side_streams,
     int64_t num_events) {
   TORCH_CHECK_VALUE(
       num_streams >= 1 && num_streams <= kMaxStreams,
@@ -172,7 +172,7 @@ StreamRun::StreamRun(
 bool StreamRun::restart(
     std::optional<c10::Device> device,
     int64_t num_streams,
-    const std::vector<int64_t>& side_streams,
+    c10::ArrayRef<int64_t> side_streams,
     int64_t num_events) {
   check_fork(num_streams, side_streams, num_events);
   // The observer tells runs apart by id, so it gets a new run; so does any
@@ -186,7 +186,7 @@ bool StreamRun::restart(
   device_ = device;
   num_streams_ = num_streams;
   joined_ = false;
-  forked_ = side_streams;
+  forked_.assign(side_streams.begin(), side_streams.end());
   current_ = 0;
   recorded_.assign(static_cast<size_t>(num_events), false);
   kept_tensors_ = 0;
@@ -400,7 +400,7 @@ void StreamRun::sync(
   }
 }
 
-void StreamRun::join(const std::vector<int64_t>& side_streams) {
+void StreamRun::join(c10::ArrayRef<int64_t> side_streams) {
   check_usable("join");
   for (const int64_t s : side_streams) {
     TORCH_CHECK_VALUE(
@@ -430,7 +430,7 @@ void StreamRun::abort_thread_runs(int64_t depth) {
   }
 }
 
-void StreamRun::finish(const std::vector<int64_t>& streams) {
+void StreamRun::finish(c10::ArrayRef<int64_t> streams) {
   joined_ = true;
   const bool on_owner = std::this_thread::get_id() == owner_;
   if (on_owner) {
@@ -446,7 +446,7 @@ void StreamRun::finish(const std::vector<int64_t>& streams) {
     restore_autocast_cache_ = false;
   }
   if (stream_observer_active()) {
-    notify("join", id_, 0, -1, streams, {}, on_owner);
+    notify("join", id_, 0, -1, streams.vec(), {}, on_owner);
   }
   if (!active_) {
     return;

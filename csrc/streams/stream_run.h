@@ -70,6 +70,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/ArrayRef.h>
 #include <torch/custom_class.h>
 
 #include "streams/stream_observer.h"
@@ -109,7 +110,7 @@ class StreamRun : public torch::CustomClassHolder {
   bool restart(
       std::optional<c10::Device> device,
       int64_t num_streams,
-      const std::vector<int64_t>& side_streams,
+      c10::ArrayRef<int64_t> side_streams,
       int64_t num_events);
 
   StreamRun(const StreamRun&) = delete;
@@ -177,7 +178,7 @@ class StreamRun : public torch::CustomClassHolder {
 
   // Stream 0 waits on the given side streams; stream 0 is current again.
   // After join the run accepts no more ops.
-  void join(const std::vector<int64_t>& side_streams);
+  void join(c10::ArrayRef<int64_t> side_streams);
 
   // The run's id in StreamObserver notes (csrc/streams/stream_observer.h).
   int64_t id() const {
@@ -216,14 +217,14 @@ class StreamRun : public torch::CustomClassHolder {
   void enter_thread();
   static void check_fork(
       int64_t num_streams,
-      const std::vector<int64_t>& side_streams,
+      c10::ArrayRef<int64_t> side_streams,
       int64_t num_events);
   void check_usable(const char* op) const;
   void check_stream(const char* op, int64_t stream) const;
   void check_event(const char* op, int64_t event) const;
   void keep(const c10::IValue& value, const c10::Stream& stream);
   // Stream 0 waits on each of `streams`; the caller's stream is current.
-  void finish(const std::vector<int64_t>& streams);
+  void finish(c10::ArrayRef<int64_t> streams);
 
   std::thread::id owner_;
   // This run's id in StreamObserver notes.

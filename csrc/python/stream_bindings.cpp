@@ -174,8 +174,6 @@ bool takes_run_call(
       Py_TYPE(args[0]) == fast_ops->run_type;
 }
 
-// 1 when `obj` (or, for a tuple or list, an item of it) overrides
-// __torch_function__ or a TorchFunctionMode is active, 0 if not, -1 on error.
 // 0 where has_torch_function can tell without a call: no mode, and a plain
 // tensor, or a tuple or list of them and None; -1 where it cannot.
 int has_torch_function_inline(PyObject* obj) {
@@ -198,6 +196,8 @@ int has_torch_function_inline(PyObject* obj) {
   return -1;
 }
 
+// 1 when `obj` (or, for a tuple or list, an item of it) overrides
+// __torch_function__ or a TorchFunctionMode is active, 0 if not, -1 on error.
 int has_torch_function(PyObject* obj) {
   // Without a mode, a plain tensor (or a tuple or list of them and None)
   // has none: decided here, as torch does, without a call (~0.4k

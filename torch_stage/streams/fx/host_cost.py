@@ -482,6 +482,9 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
     failed = set()  # (first, last, target) tried without gain
     while raw["fork"] and trials < MAX_BRANCH_TRIALS:
         for first_node, last_node, targets in _small_branches(raw["stream"], costs_us, edges, host):
+            # With the nodes colocated with it (views follow their
+            # producer; colocate_with): a group never spans two streams.
+            moved = _with_colocated(range(first_node, last_node + 1), analysis.colocation)
             found_better = None
             for target in targets:
                 if (first_node, last_node, target) in failed:
@@ -489,7 +492,8 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
                 failed.add((first_node, last_node, target))
                 trials += 1
                 streams = list(raw["stream"])
-                streams[first_node : last_node + 1] = [target] * (last_node - first_node + 1)
+                for i in moved:
+                    streams[i] = target
                 found_better = tried(streams)
                 if found_better is not None or trials >= MAX_BRANCH_TRIALS:
                     break
@@ -539,6 +543,14 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
 #: this project's CPU: the whole pass took 2.2 s there, 2.4 s with the 32),
 #: and the smallest branches, which gain most, come first.
 MAX_BRANCH_TRIALS = 32
+
+
+def _with_colocated(nodes: Sequence[int], colocation: Sequence[int]) -> List[int]:
+    """``nodes`` and every node in a colocation group with one of them."""
+    groups = {colocation[i] for i in nodes if colocation[i] >= 0}
+    found = set(nodes)
+    found.update(i for i, g in enumerate(colocation) if g >= 0 and g in groups)
+    return sorted(found)
 
 
 def _small_branches(

@@ -1,5 +1,6 @@
 """A plan that cannot pay for its stream calls runs on one stream."""
 
+import contextlib
 import copy
 import math
 import re
@@ -174,10 +175,12 @@ def test_a_branch_too_small_to_pay_for_its_events_stays_on_its_parents_stream():
 
 class _TinyStepOnALongBranch(nn.Module):
     """A long branch (``b`` then ``c``), a short one (``a`` then ``d``), and
-    a tiny op of a second input launched between them."""
+    a tiny op of a second input launched between them (``colocate``: in
+    ``b``'s colocation group)."""
 
-    def __init__(self):
+    def __init__(self, colocate: bool = False):
         super().__init__()
+        self.colocate = colocate
         self.a = nn.Linear(1024, 1024)
         self.b = nn.Linear(1024, 4096)
         self.c = nn.Linear(4096, 1024)
@@ -186,15 +189,16 @@ class _TinyStepOnALongBranch(nn.Module):
     def forward(self, x, y):
         b = self.b(x)
         a = self.a(x)
-        t = y * 2.0
+        with torch_stage.colocate_with(b) if self.colocate else contextlib.nullcontext():
+            t = y * 2.0
         a2 = self.d(a)
         b2 = self.c(b)
         return a2 + b2 + t.sum()
 
 
-def _long_branch_plan():
+def _long_branch_plan(colocate: bool = False):
     x, y = torch.randn(256, 1024), torch.randn(4)
-    graph_module = MultiStreamPass(num_streams=4).trace(_TinyStepOnALongBranch())
+    graph_module = MultiStreamPass(num_streams=4).trace(_TinyStepOnALongBranch(colocate))
     analysis = GraphAnalysis(graph_module, (x, y), None, 4)
     names = [n.name for n in analysis.device_nodes]
     assert names == ["b", "a", "mul", "d", "c", "add", "sum_1", "add_1"]
@@ -225,28 +229,11 @@ def test_a_branch_too_small_to_pay_for_its_calls_moves_where_its_stream_pays(mon
     assert capped.assignment["mul"] == 1
 
 
-class _ColocatedTinyStep(_TinyStepOnALongBranch):
-    """The tiny op colocated with the long branch's first half."""
-
-    def forward(self, x, y):
-        b = self.b(x)
-        a = self.a(x)
-        with torch_stage.colocate_with(b):
-            t = y * 2.0
-        a2 = self.d(a)
-        b2 = self.c(b)
-        return a2 + b2 + t.sum()
-
-
 def test_a_branch_moves_with_the_nodes_colocated_with_it():
     # Moved alone, the tiny op would leave its colocation group on two
     # streams, which the scheduler refuses (plan_streams raised).
-    x, y = torch.randn(256, 1024), torch.randn(4)
-    graph_module = MultiStreamPass(num_streams=4).trace(_ColocatedTinyStep())
-    analysis = GraphAnalysis(graph_module, (x, y), None, 4)
-    assert [n.name for n in analysis.device_nodes][:3] == ["b", "a", "mul"]
+    analysis, given, raw = _long_branch_plan(colocate=True)
     assert analysis.colocation[0] == analysis.colocation[2] >= 0
-    given, raw = plan(analysis, "user", True, fixed=[1, 0, 1, 0, 1, 0, 0, 0])
     paid, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
     assert paid.assignment["mul"] == paid.assignment["b"]
     assert paid.estimate.planned_us <= host_cost.plan_estimate(analysis, raw, GPU_LIKE).planned_us

@@ -236,18 +236,24 @@ int compiling() {
 }
 
 // The StreamRun of a _StreamRun (exact type checked by the caller), or
-// nullptr with a TypeError for an instance whose constructor never ran.
-StreamRun* run_of(PyObject* obj, const char* op) {
+// nullptr, no error set, for an instance whose constructor never ran.
+StreamRun* plain_run(PyObject* obj) {
   auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(
       nullptr, false);
-  if (!v_h || !v_h.holder_constructed() || v_h.value_ptr() == nullptr) {
+  // (A constructed holder may still hold no run: value_ptr is null then.)
+  return v_h && v_h.holder_constructed() ? v_h.value_ptr<StreamRun>() : nullptr;
+}
+
+// plain_run, with a TypeError where there is no run.
+StreamRun* run_of(PyObject* obj, const char* op) {
+  StreamRun* run = plain_run(obj);
+  if (run == nullptr) {
     PyErr_Format(
         PyExc_TypeError,
         "torch_stage.%s: the stream run holds no run (make runs with fork)",
         op);
-    return nullptr;
   }
-  return v_h.value_ptr<StreamRun>();
+  return run;
 }
 
 bool read_int(PyObject* obj, const char* op, const char* name, int64_t* out) {
@@ -370,12 +376,6 @@ bool plain_ints(PyObject* obj, int64_t* out, Py_ssize_t* size) {
   return true;
 }
 
-StreamRun* plain_run(PyObject* obj) {
-  auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(
-      nullptr, false);
-  return v_h && v_h.holder_constructed() ? v_h.value_ptr<StreamRun>() : nullptr;
-}
-
 // Whether a profiler (or any RecordFunction callback) listens: then the
 // general paths make the call's RecordFunction.
 bool unobserved_call() {
@@ -409,11 +409,12 @@ PyObject* fast_sync(
     PyObject* const* args,
     size_t nargsf,
     PyObject* kwnames) {
-  if (takes_run_call(args, nargsf, kwnames, 5) && sync_inline(args)) {
+  const bool run_call = takes_run_call(args, nargsf, kwnames, 5);
+  if (run_call && sync_inline(args)) {
     Py_RETURN_NONE;
   }
   HANDLE_TH_ERRORS
-  if (!takes_run_call(args, nargsf, kwnames, 5)) {
+  if (!run_call) {
     return fall_back(kSync, args, nargsf, kwnames);
   }
   PyObject* keep = args[4];
@@ -455,7 +456,8 @@ PyObject* fast_record_event(
     size_t nargsf,
     PyObject* kwnames) {
   // The inline path, as sync's (sync_inline).
-  if (takes_run_call(args, nargsf, kwnames, 3)) {
+  const bool run_call = takes_run_call(args, nargsf, kwnames, 3);
+  if (run_call) {
     StreamRun* run = plain_run(args[0]);
     int64_t event = 0;
     int64_t stream = 0;
@@ -466,7 +468,7 @@ PyObject* fast_record_event(
     }
   }
   HANDLE_TH_ERRORS
-  if (!takes_run_call(args, nargsf, kwnames, 3)) {
+  if (!run_call) {
     return fall_back(kRecordEvent, args, nargsf, kwnames);
   }
   StreamRun* run = run_of(args[0], "record_event");

@@ -465,9 +465,11 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
             found,
         )
 
+    producers = _producers(edges)
     while raw["fork"]:
         for side in _side_streams_by_work(raw["stream"], costs_us):
-            parent = _parent_stream(side, raw["stream"], edges)
+            on_side = [i for i, s in enumerate(raw["stream"]) if s == side]
+            parent = _input_stream(on_side, raw["stream"], producers)
             better = tried([parent if s == side else s for s in raw["stream"]])
             if better is not None:
                 merged.append(f"{side} into {parent}")
@@ -480,31 +482,31 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
     branches = 0
     trials = 0
     failed = set()  # (first, last, target) tried without gain
-    while raw["fork"] and trials < MAX_BRANCH_TRIALS:
-        for first_node, last_node, targets in _small_branches(raw["stream"], costs_us, edges, host):
+    while raw["fork"]:
+        candidates = [
+            (first_node, last_node, target)
+            for first_node, last_node, targets in _small_branches(
+                raw["stream"], costs_us, producers, host
+            )
+            for target in targets
+            if (first_node, last_node, target) not in failed
+        ]
+        better = None
+        for first_node, last_node, target in candidates[: MAX_BRANCH_TRIALS - trials]:
+            failed.add((first_node, last_node, target))
+            trials += 1
+            streams = list(raw["stream"])
             # With the nodes colocated with it (views follow their
             # producer; colocate_with): a group never spans two streams.
-            moved = _with_colocated(range(first_node, last_node + 1), analysis.colocation)
-            found_better = None
-            for target in targets:
-                if (first_node, last_node, target) in failed:
-                    continue
-                failed.add((first_node, last_node, target))
-                trials += 1
-                streams = list(raw["stream"])
-                for i in moved:
-                    streams[i] = target
-                found_better = tried(streams)
-                if found_better is not None or trials >= MAX_BRANCH_TRIALS:
-                    break
-            if found_better is not None:
-                branches += 1
-                stream_plan, raw, best = found_better
+            for i in _with_colocated(range(first_node, last_node + 1), analysis.colocation):
+                streams[i] = target
+            better = tried(streams)
+            if better is not None:
                 break
-            if trials >= MAX_BRANCH_TRIALS:
-                break
-        else:
+        if better is None:
             break
+        branches += 1
+        stream_plan, raw, best = better
     if not raw["fork"] or not best.pays:
         # (Said of the whole plan: merging ends on one stream where it
         # cannot pay with fewer streams either.)
@@ -554,7 +556,10 @@ def _with_colocated(nodes: Sequence[int], colocation: Sequence[int]) -> List[int
 
 
 def _small_branches(
-    stream: Sequence[int], costs_us: Sequence[float], edges: Sequence[tuple], host: HostCosts
+    stream: Sequence[int],
+    costs_us: Sequence[float],
+    producers: Mapping[int, List[int]],
+    host: HostCosts,
 ) -> List[tuple]:
     """Branches of side streams whose kernels take less device time than
     the calls around them can cost (a switch in and out, a record and a
@@ -563,9 +568,6 @@ def _small_branches(
     streams to try it on: the one current before it (where it would need no
     switch) and the one its first input from another stream comes from."""
     limit = 2.0 * host.sync_us + 2.0 * (host.record_us + host.wait_us)
-    producers: Dict[int, List[int]] = {}
-    for u, v in edges:
-        producers.setdefault(v, []).append(u)
     found = []
     i, count = 0, len(stream)
     while i < count:
@@ -575,16 +577,8 @@ def _small_branches(
         s = stream[i]
         work = sum(costs_us[i : j + 1])
         if s != 0 and work < limit:
-            targets = []
-            if i > 0:
-                targets.append(stream[i - 1])
-            for k in range(i, j + 1):
-                outside = [stream[u] for u in sorted(producers.get(k, ())) if stream[u] != s]
-                if outside:
-                    targets.append(outside[0])
-                    break
-            else:
-                targets.append(0)
+            targets = [stream[i - 1]] if i > 0 else []
+            targets.append(_input_stream(range(i, j + 1), stream, producers))
             targets = list(dict.fromkeys(t for t in targets if t != s))
             found.append((work, i, j, targets))
         i = j + 1
@@ -600,12 +594,25 @@ def _side_streams_by_work(stream: Sequence[int], costs_us: Sequence[float]) -> L
     return sorted(work, key=lambda s: (work[s], s))
 
 
-def _parent_stream(side: int, stream: Sequence[int], edges: Sequence[tuple]) -> int:
-    """The stream ``side``'s first cross-stream input comes from (0 if none:
-    it forks from the caller's)."""
-    for u, v in sorted(edges, key=lambda e: (e[1], e[0])):
-        if stream[v] == side and stream[u] != side:
-            return stream[u]
+def _producers(edges: Sequence[tuple]) -> Dict[int, List[int]]:
+    """Each device node's producers (``u`` of the edges ``(u, v)``), ascending."""
+    found: Dict[int, List[int]] = {}
+    for u, v in sorted(edges):
+        found.setdefault(v, []).append(u)
+    return found
+
+
+def _input_stream(
+    nodes: Sequence[int], stream: Sequence[int], producers: Mapping[int, List[int]]
+) -> int:
+    """The stream the first input of ``nodes`` (ascending, all on one
+    stream) from another stream comes from: the stream they fork from (0
+    if none: the caller's)."""
+    own = stream[nodes[0]]
+    for v in nodes:
+        for u in producers.get(v, ()):
+            if stream[u] != own:
+                return stream[u]
     return 0
 
 

@@ -88,8 +88,9 @@ def _measure(calls, models):
 
     from torch_stage.streams.fx.host_cost import host_costs
 
+    # With the device they were measured on: the pass chooses an issue
+    # order by them where it runs (calls.py).
     costs = asdict(host_costs("cpu"))
-    costs.pop("device")
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [

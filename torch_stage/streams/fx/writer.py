@@ -27,14 +27,15 @@ theirs. The walk decides the rest, the same for both:
   reader's kernel, where a copy costs nothing;
 * forward's inputs read on a side stream are marked used on it the first
   time (gpu-review #4: a caller that hands over its last reference frees
-  them onto its own stream during forward);
+  them onto its own stream during forward), at the switch to the run of
+  nodes on that stream that reads them;
 * outputs made on a side stream are marked used on the caller's stream.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx
@@ -78,6 +79,12 @@ class PlanWriter(ABC):
         self.keeps: List[List[int]] = [[] for _ in range(count)]
         for node, producer in zip(raw["keep_node"], raw["keep_producer"]):
             self.keeps[node].append(producer)
+        # The last node of the run of consecutive nodes on one stream that
+        # each node is in.
+        self.segment_end = list(range(count))
+        for k in range(count - 2, -1, -1):
+            if self.stream[k] == self.stream[k + 1]:
+                self.segment_end[k] = self.segment_end[k + 1]
         self.fork_streams = list(raw["fork"])
         self.join_streams = list(raw["join"])
         self.num_events = len(raw["event_node"])
@@ -121,6 +128,7 @@ class PlanWriter(ABC):
 
     def run(self) -> None:
         nodes = list(self.graph.nodes)
+        self.position = {n: i for i, n in enumerate(nodes)}
         placeholders = [n for n in nodes if n.op == "placeholder"]
         # After the last placeholder, not the first non-placeholder: graphs
         # from torch.export put their get_attr nodes before the inputs.
@@ -186,6 +194,12 @@ class PlanWriter(ABC):
         keeps = [self.analysis.device_nodes[u] for u in self.keeps[i]]
         if s != self.current:
             keeps += self._shared_first_on(s)
+            # The inputs the whole run of nodes on s reads, at the switch
+            # it makes anyway, not at a sync of their own further on (those
+            # made by then: a get_attr node can come later in the graph).
+            for k in range(i + 1, self.segment_end[i] + 1):
+                later = self.analysis.device_nodes[k]
+                keeps += self._inputs_first_read(later, s, before=n)
         keeps += self._inputs_first_read(n, s)
         if self.needs_sync(s, self.waits[i], keeps):
             with self.graph.inserting_before(n):
@@ -261,14 +275,19 @@ class PlanWriter(ABC):
         self.kept_inputs.update((c, s) for c in found)
         return found
 
-    def _inputs_first_read(self, n: torch.fx.Node, s: int) -> List[torch.fx.Node]:
+    def _inputs_first_read(
+        self, n: torch.fx.Node, s: int, before: Optional[torch.fx.Node] = None
+    ) -> List[torch.fx.Node]:
         """Forward's inputs that ``n`` reads, directly or through views, on
-        side stream ``s`` for the first time (see the module doc)."""
+        side stream ``s`` for the first time (see the module doc); with
+        ``before``, only those that come before that node in the graph."""
         if s == 0:
             return []
         found: List[torch.fx.Node] = []
         for v in n.all_input_nodes:
             for p in self._input_roots(v):
+                if before is not None and self.position[p] > self.position[before]:
+                    continue
                 if (p, s) not in self.kept_inputs:
                     self.kept_inputs.add((p, s))
                     found.append(p)

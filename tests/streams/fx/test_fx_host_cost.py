@@ -211,21 +211,37 @@ def _long_branch_plan(colocate: bool = False):
 def test_a_branch_too_small_to_pay_for_its_calls_moves_where_its_stream_pays(monkeypatch):
     analysis, given, raw = _long_branch_plan()
     before = host_cost.plan_estimate(analysis, raw, GPU_LIKE)
-    paid, paid_raw = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    paid, paid_raw, issued = host_cost.paying_plan(
+        analysis, copy.copy(given), dict(raw), GPU_LIKE, True
+    )
     assert paid.assignment["mul"] == 0
     assert paid.assignment["b"] == paid.assignment["c"] == 1
-    assert paid.estimate.calls == before.calls - 3
+    # Three calls fewer for the branch; then b and c are issued together,
+    # which saves the switches back and forth around a.
+    assert paid.estimate.calls <= before.calls - 3
     assert paid.estimate.planned_us < before.planned_us
     assert paid.note == (
         "1 branch too small to pay for the switches and events around it moved to a "
-        "neighbouring stream"
+        "neighbouring stream; issued stream by stream: 2 fewer stream switches"
     )
+    assert [n.name for n in issued.device_nodes] == [
+        "b",
+        "c",
+        "a",
+        "mul",
+        "d",
+        "add",
+        "sum_1",
+        "add_1",
+    ]
     # Calls that cost nothing: the tiny op overlaps where it is.
-    free, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), HostCosts.free(), True)
+    free, _, _ = host_cost.paying_plan(
+        analysis, copy.copy(given), dict(raw), HostCosts.free(), True
+    )
     assert free.assignment["mul"] == 1 and free.note == ""
     # The tries are bounded.
     monkeypatch.setattr(host_cost, "MAX_BRANCH_TRIALS", 0)
-    capped, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    capped, _, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
     assert capped.assignment["mul"] == 1
 
 
@@ -234,7 +250,7 @@ def test_a_branch_moves_with_the_nodes_colocated_with_it():
     # streams, which the scheduler refuses (plan_streams raised).
     analysis, given, raw = _long_branch_plan(colocate=True)
     assert analysis.colocation[0] == analysis.colocation[2] >= 0
-    paid, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
+    paid, _, _ = host_cost.paying_plan(analysis, copy.copy(given), dict(raw), GPU_LIKE, True)
     assert paid.assignment["mul"] == paid.assignment["b"]
     assert paid.estimate.planned_us <= host_cost.plan_estimate(analysis, raw, GPU_LIKE).planned_us
 

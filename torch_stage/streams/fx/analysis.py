@@ -15,7 +15,9 @@
   aliases (unless the alias is annotated or written in place: then it is a
   device node);
 * device nodes: everything else, the nodes of the scheduler's DAG, numbered
-  in graph order (which is the issue order, kept by the rewrite).
+  in graph order (which is the issue order: where the pass issues the
+  nodes stream by stream, :meth:`GraphAnalysis.reordered` numbers them
+  again in that order).
 
 Dependencies are data edges (a device node reads another's result) and
 order edges: side-effecting nodes (in-place writes, impure modules: those
@@ -30,8 +32,10 @@ them, and a ``call_module`` node reads its module's (and writes them, if it
 writes its own state); both are tied to the tensors' storage, so a write
 through ``self.a.weight.data`` and the call ``self.a(x)``, or two modules
 sharing one weight, are ordered like any other write and read. Random ops
-need no edge: their values are fixed by their launch order on the host,
-which the rewrite keeps.
+need no edge between streams: their values are fixed by their launch order
+on the host, which the rewrite keeps (an issue order of
+torch_stage/streams/fx/calls.py keeps them in their relative order;
+:attr:`GraphAnalysis.random` holds them).
 
 :func:`torch_stage.streams.fx.stream_plan.plan` sends the DAG to the C++ scheduler
 and wraps the answer in a :class:`~torch_stage.streams.fx.stream_plan.StreamPlan`.
@@ -39,6 +43,7 @@ and wraps the answer in a :class:`~torch_stage.streams.fx.stream_plan.StreamPlan
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -64,6 +69,7 @@ from torch_stage.streams.fx.classify import (
 from torch_stage.streams.fx.cost_model import default_cost, is_view
 from torch_stage.streams.fx.effects import (
     aliased_args,
+    draws_random,
     probe_cache,
     writes_module_state,
     written_args,
@@ -208,6 +214,9 @@ class GraphAnalysis:
         self.costs = [self._cost(n, cost_model) for n in self.device_nodes]
         self.fixed, self.colocation = self._placements()
         self.embedding_group = self._embedding_groups()
+        # Asked here, where the probes are cached, for the issue order
+        # (torch_stage/streams/fx/calls.py).
+        self.random = {n for n in self.device_nodes if draws_random(n, gm)}
 
     # -- shapes -----------------------------------------------------------
 
@@ -228,12 +237,45 @@ class GraphAnalysis:
         with isolated(runnable, inputs):
             _ShapeAndAlias(runnable).propagate(*inputs)
 
+    def reordered(self, nodes: Sequence[torch.fx.Node]) -> GraphAnalysis:
+        """This analysis with its device nodes numbered in the order they
+        have in ``nodes`` (every node of the graph, in an order that keeps
+        its dependencies: torch_stage/streams/fx/calls.py); the graph itself
+        is not changed. What nodes are, read and write stays as analysed."""
+        if len(nodes) != len(self.nodes) or set(nodes) != set(self.nodes):
+            raise ValueError("reordered takes every node of the analysed graph, once")
+        out = copy.copy(self)
+        out.nodes = list(nodes)
+        out.device_nodes = [n for n in nodes if self.kind[n] == DEVICE]
+        out.index = {n: i for i, n in enumerate(out.device_nodes)}
+        out.constants = [n for n in nodes if self.kind[n] == CONST]
+        new = [out.index[n] for n in self.device_nodes]  # old index -> new
+        old = [self.index[n] for n in out.device_nodes]  # new index -> old
+        out.edges = {(new[u], new[v]): kind for (u, v), kind in self.edges.items()}
+        if any(u >= v for u, v in out.edges):
+            raise ValueError("reordered: the order puts a node before one it depends on")
+        out.costs = [self.costs[i] for i in old]
+        out.fixed = [self.fixed[i] for i in old]
+        out.colocation = [self.colocation[i] for i in old]
+        out.embedding_group = [self.embedding_group[i] for i in old]
+        return out
+
     # -- classification ---------------------------------------------------
 
     def written_in_place(self, n: torch.fx.Node) -> bool:
         """Whether a node of the graph writes ``n``, or what ``n`` may
         alias, in place (its shape too may change: ``unsqueeze_``)."""
         return n in self.mutated or self._families.find(self.position[n]) in self._written
+
+    def family(self, n: torch.fx.Node) -> int:
+        """The set of nodes whose memory ``n`` may share (an id)."""
+        return self._families.find(self.position[n])
+
+    def untargeted_effects(self, n: torch.fx.Node) -> bool:
+        """Whether ``n`` has side effects with no known target (an impure
+        module, an effectful function): such nodes keep their order among
+        themselves."""
+        return n not in self.mutated and self._impure(n)
 
     def roots(self, n: torch.fx.Node) -> List[torch.fx.Node]:
         """The device nodes whose result ``n`` is or aliases."""
@@ -390,7 +432,7 @@ class GraphAnalysis:
         # tensors (each branch's in-place ReLU) stay free.
         previous = None
         for v in self.device_nodes:
-            if v not in self.mutated and self._impure(v):
+            if self.untargeted_effects(v):
                 if previous is not None:
                     self._add_edge(previous, v, 1)
                 previous = v

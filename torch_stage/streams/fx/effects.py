@@ -50,6 +50,8 @@ from torch_stage.streams.fx._example import attribute, storage_id, written_tenso
 
 __all__ = [
     "aliased_args",
+    "draws_random",
+    "known_effects",
     "probe_cache",
     "understated_writes",
     "writes_module_state",
@@ -120,6 +122,103 @@ def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> Optional[boo
         return None
     probed = _probe_both(n, module, root)
     return None if probed is None else probed[2]
+
+
+def draws_random(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> bool:
+    """Whether ``n`` may draw from a random generator (its values then
+    depend on when it is issued among the others that do), from the ops:
+    an ATen op tagged ``nondeterministic_seeded`` (``randn_like``,
+    ``bernoulli_``, ``native_dropout``); anything else of torch's, such as
+    ``F.dropout`` or ``nn.Dropout``, is run on meta stand-ins and asked the
+    same of every op it reaches; failing that, the ops its schemas name.
+    True where none of these can tell."""
+    if n.op not in ("call_function", "call_method", "call_module"):
+        return False
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(
+            torch.Tag.nondeterministic_seeded in getattr(target, o).tags for o in target.overloads()
+        )
+    probed = None
+    if n.op == "call_module":
+        module = root.get_submodule(target) if root is not None else None
+        if module is not None and type(module).__module__.startswith("torch.nn."):
+            probed = _probe_both(n, module, root)
+    elif _probe_safe(n):
+        probed = _probe_both(n, root=root)
+    if probed is not None:
+        return probed[3]
+    if n.op == "call_module":
+        return True
+    packets = []
+    for schema in _schemas(n):
+        namespace, _, name = schema.name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace, None), name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket) and packet not in packets:
+            packets.append(packet)
+    if not packets:
+        return True
+    return any(
+        torch.Tag.nondeterministic_seeded in getattr(p, o).tags
+        for p in packets
+        for o in p.overloads()
+    )
+
+
+#: Tensor methods with no ATen schema of their name that only convert or
+#: read (``x.float()``, ``x.tolist()``).
+_PLAIN_METHODS = frozenset(
+    ["float", "double", "half", "bfloat16", "int", "long", "short", "char", "byte", "bool",
+     "type", "tolist", "__setitem__"]
+)  # fmt: skip
+#: Tensor methods with schemas whose effect is on autograd's or the
+#: allocator's state, which no schema argument says.
+_STATEFUL_METHODS = frozenset(
+    ["backward", "retain_grad", "requires_grad_", "record_stream", "register_hook",
+     "register_post_accumulate_grad_hook"]
+)  # fmt: skip
+
+
+def known_effects(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> bool:
+    """Whether all ``n`` does is what its ops' schemas and this module say
+    (its writes, its aliases, its random draws), so that it can be issued
+    at another point among nodes it does not depend on: ATen and prims ops;
+    torch functions bound to an ATen op and those of
+    ``torch.nn.functional``; Python's operators; tensor methods with an
+    ATen schema (or that convert); modules of ``torch.nn``. Not the ops
+    FX keeps for their side effects (asserts, profiler ranges, grad mode
+    and autocast switches), nor a user's function or module."""
+    op = n.op
+    if op in ("placeholder", "get_attr", "output"):
+        return True
+    target = n.target
+    if op == "call_module":
+        if root is None:
+            return False
+        module = root.get_submodule(target)
+        return type(module).__module__.startswith("torch.nn.")
+    if op == "call_method":
+        if target in _STATEFUL_METHODS:
+            return False
+        return target in _PLAIN_METHODS or bool(_schemas(n))
+    if op != "call_function":
+        return False
+    if target is getattr:
+        return True
+    module = getattr(target, "__module__", None) or ""
+    if module in ("_operator", "operator"):
+        return True
+    if target in getattr(torch.fx.node, "_side_effectful_functions", ()):
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[0] in ("aten", "prims")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] in ("aten", "prims")
+    if module == "torch.nn.functional":
+        return True
+    return (_find_builtin(target) or "").startswith("aten::")
 
 
 def _aliased_by_schemas(schemas: Sequence[Any], args: tuple, kwargs: dict) -> List[Any]:
@@ -265,10 +364,13 @@ class _WriteRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.written: List[torch.Tensor] = []
+        self.seeded = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.written.extend(written_tensors(func, args, kwargs))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seeded = True
         return func(*args, **kwargs)
 
 
@@ -320,8 +422,9 @@ def _probe_both(
 ) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
     """Run ``n`` (a call of ``module`` for a ``call_module`` node) on meta
     tensors: the arguments it writes, the argument nodes whose memory its
-    result shares, and whether it writes the module's own parameters or
-    buffers. None when it cannot run there. ``root`` (the graph's owner)
+    result shares, whether it writes the module's own parameters or
+    buffers, and whether it draws random numbers (an op it reaches is
+    tagged ``nondeterministic_seeded``). None when it cannot run there. ``root`` (the graph's owner)
     gives the ``get_attr`` nodes among the arguments their stand-ins;
     without it, a node that reads one is not probed."""
     probes = getattr(_cache, "probes", None)
@@ -447,4 +550,4 @@ def _probe_with(
     state_written = any(
         t.untyped_storage()._cdata in written_storages for t in module_state.values()
     )
-    return found, aliased, state_written
+    return found, aliased, state_written, recorder.seeded

@@ -52,6 +52,7 @@ from torch_stage.streams.fx.annotate import (
     check_none,
     examples_by_position,
 )
+from torch_stage.streams.fx.calls import issue_in_order
 from torch_stage.streams.fx.classify import HOST_META
 from torch_stage.streams.fx.host_cost import (
     HostCosts,
@@ -350,7 +351,12 @@ class MultiStreamPass:
         stream_plan, raw = plan(analysis, self.strategy, self.verify, sync_cost)
         if raw["fork"]:
             if checked:
-                stream_plan, raw = paying_plan(analysis, stream_plan, raw, host, self.verify)
+                stream_plan, raw, issued = paying_plan(
+                    analysis, stream_plan, raw, host, self.verify
+                )
+                if issued is not analysis:
+                    issue_in_order(graph, issued.nodes)
+                    analysis = issued
             else:
                 stream_plan.estimate = plan_estimate(analysis, raw, host)
                 if not stream_plan.estimate.pays:

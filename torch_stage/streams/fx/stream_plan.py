@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
-__all__ = ["PlanEvent", "PlanWait", "StreamPlan", "plan"]
+__all__ = ["PlanEvent", "PlanWait", "StreamPlan", "plan", "with_raw"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,28 @@ def plan(
         verify,
         float(sync_cost),
     )
+    chains, groups, _ = raw["stats"]
+    result = StreamPlan(
+        strategy=chosen,
+        reason=reason,
+        num_streams=analysis.num_streams,
+        assignment={},
+        events=[],
+        waits=[],
+        keeps=[],
+        fork=[],
+        join=[],
+        chains=chains,
+        groups=groups,
+    )
+    return with_raw(result, analysis, raw), dict(raw)
+
+
+def with_raw(stream_plan: StreamPlan, analysis: Any, raw: dict) -> StreamPlan:
+    """``stream_plan`` saying what ``raw`` does (streams, events, waits,
+    keeps, fork and join), a plan of the analysed graph's device nodes in
+    ``analysis``'s order: after the scheduler, and after the pass moves
+    calls or nodes (torch_stage/streams/fx/calls.py)."""
     names = [n.name for n in analysis.device_nodes]
     stream = list(raw["stream"])
     events = [
@@ -192,19 +214,13 @@ def plan(
         (names[node], names[producer], stream[node])
         for node, producer in zip(raw["keep_node"], raw["keep_producer"])
     ]
-    chains, groups, cross = raw["stats"]
-    result = StreamPlan(
-        strategy=chosen,
-        reason=reason,
-        num_streams=analysis.num_streams,
+    return replace(
+        stream_plan,
         assignment=dict(zip(names, stream)),
         events=events,
         waits=waits,
         keeps=keeps,
         fork=list(raw["fork"]),
         join=list(raw["join"]),
-        cross_stream_edges=cross,
-        chains=chains,
-        groups=groups,
+        cross_stream_edges=raw["stats"][2],
     )
-    return result, dict(raw)

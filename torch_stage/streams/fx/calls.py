@@ -59,12 +59,14 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
     count = len(stream)
     event = list(raw["event"])
     event_node = list(raw["event_node"])
-    waits_at: List[List[int]] = [[] for _ in range(count)]
+    # Sparse: most nodes neither wait nor keep (and a list per node of a
+    # graph of thousands costs the garbage collector more than the rest).
+    waits_at: Dict[int, List[int]] = {}
     for node, e in zip(raw["wait_node"], raw["wait_event"]):
-        waits_at[node].append(e)
-    keeps_at: List[List[int]] = [[] for _ in range(count)]
+        waits_at.setdefault(node, []).append(e)
+    keeps_at: Dict[int, List[int]] = {}
     for node, producer in zip(raw["keep_node"], raw["keep_producer"]):
-        keeps_at[node].append(producer)
+        keeps_at.setdefault(node, []).append(producer)
     # Records first: merged events change what the waits name.
     alias: Dict[int, int] = {}
     if records:
@@ -83,21 +85,31 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
                     alias[e] = event[last]
                     event_node[e] = -1
     current, call = 0, -1  # the node the segment's first call is before
+    moved_waits: Dict[int, List[int]] = {}
+    moved_keeps: Dict[int, List[int]] = {}
+    # What each node's call holds already (a segment can hold thousands).
+    kept: Dict[int, Set[int]] = {}
+    waited: Dict[int, Set[int]] = {}
     for i in range(count):
         if stream[i] != current:
             current, call = stream[i], i
-        wanted = [alias.get(e, e) for e in waits_at[i]]
-        waits_at[i] = []
-        keeps = keeps_at[i]
-        keeps_at[i] = []
-        target = i
-        if call < 0 and (wanted or keeps):
+        wanted = [alias.get(e, e) for e in waits_at.get(i, ())]
+        keeps = keeps_at.get(i, ())
+        if not wanted and not keeps:
+            continue
+        if call < 0:
             call = i
-        if call >= 0:
-            target = call
-        keeps_at[target].extend(p for p in keeps if p not in keeps_at[target])
-        where = waits_at[target] if waits else waits_at[i]
-        where.extend(e for e in wanted if e not in where)
+        for p in keeps:
+            seen = kept.setdefault(call, set())
+            if p not in seen:
+                seen.add(p)
+                moved_keeps.setdefault(call, []).append(p)
+        at = call if waits else i
+        for e in wanted:
+            seen = waited.setdefault(at, set())
+            if e not in seen:
+                seen.add(e)
+                moved_waits.setdefault(at, []).append(e)
     # Events numbered again in the order of their nodes.
     live = sorted((n, e) for e, n in enumerate(event_node) if n >= 0)
     number = {e: new for new, (_, e) in enumerate(live)}
@@ -105,10 +117,12 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
     out["event"] = [number[e] if e >= 0 else -1 for e in event]
     out["event_node"] = [n for n, _ in live]
     out["event_stream"] = [stream[n] for n, _ in live]
-    out["wait_node"] = [i for i in range(count) for _ in waits_at[i]]
-    out["wait_event"] = [number[e] for i in range(count) for e in sorted(waits_at[i])]
-    out["keep_node"] = [i for i in range(count) for _ in keeps_at[i]]
-    out["keep_producer"] = [p for i in range(count) for p in keeps_at[i]]
+    nodes = sorted(moved_waits)
+    out["wait_node"] = [i for i in nodes for _ in moved_waits[i]]
+    out["wait_event"] = [number[e] for i in nodes for e in sorted(moved_waits[i])]
+    nodes = sorted(moved_keeps)
+    out["keep_node"] = [i for i in nodes for _ in moved_keeps[i]]
+    out["keep_producer"] = [p for i in nodes for p in moved_keeps[i]]
     return out
 
 

@@ -373,10 +373,10 @@ def estimate(
     # A wait orders its node after the event's, which may be more than the
     # node's own inputs (a wait moved to the first call of its segment,
     # a record to the last node of its: torch_stage/streams/fx/calls.py).
-    planned_preds = [list(p) for p in preds]
+    planned_preds = list(preds)
     for node, e in zip(raw["wait_node"], raw["wait_event"]):
         waits[node] += 1
-        planned_preds[node].append(raw["event_node"][e])
+        planned_preds[node] = planned_preds[node] + [raw["event_node"][e]]
     keeps = [0] * count
     for node in raw["keep_node"]:
         keeps[node] += 1

@@ -2,6 +2,7 @@
 nodes issued stream by stream (torch_stage/streams/fx/calls.py)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -354,3 +355,26 @@ def test_inputs_a_run_of_nodes_reads_are_kept_at_its_switch():
     assert c.prev.target is not _ops.sync
     x, y = torch.randn(4), torch.randn(4)
     assert torch.equal(gm(x, y), module(x, y))
+
+
+def test_a_declined_plan_runs_in_the_graphs_order(monkeypatch):
+    # A plan whose calls are issued stream by stream and still loses to
+    # one stream runs on one stream as traced, not in the order tried for
+    # the streams. (Merging usually leaves such a plan on one stream before
+    # the order is tried: the model is made to say it here.)
+    analysis = _analysed(InPlaceModel())
+    given, raw = plan(analysis, "min_sync", True)
+    fewer_calls = host_cost._fewer_calls
+
+    def losing(*args):
+        a, p, r, found, switches, shares = fewer_calls(*args)
+        assert a is not analysis  # reordered
+        lost = dataclasses.replace(found, planned_us=found.one_stream_us * 2)
+        return a, p, r, lost, switches, shares
+
+    monkeypatch.setattr(host_cost, "_fewer_calls", losing)
+    paid, paid_raw, issued = host_cost.paying_plan(
+        analysis, copy.copy(given), dict(raw), FAST_LAUNCHES, True
+    )
+    assert paid.note.startswith("runs on one stream") and paid_raw == {"fork": []}
+    assert issued is analysis

@@ -99,13 +99,17 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
             continue
         if call < 0:
             call = i
+        # (A keep's producer and a wait's event come from another stream,
+        # so before the segment; checked all the same, as what the
+        # rewrite's calls may refer to.)
         for p in keeps:
-            seen = kept.setdefault(call, set())
+            at = call if p < call else i
+            seen = kept.setdefault(at, set())
             if p not in seen:
                 seen.add(p)
-                moved_keeps.setdefault(call, []).append(p)
-        at = call if waits else i
+                moved_keeps.setdefault(at, []).append(p)
         for e in wanted:
+            at = call if waits and event_node[e] < call else i
             seen = waited.setdefault(at, set())
             if e not in seen:
                 seen.add(e)

@@ -522,6 +522,7 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
         branches += 1
         stream_plan, raw, best = better
     reorders = shares = 0
+    as_analysed = analysis
     if raw["fork"]:
         analysis, stream_plan, raw, best, reorders, shares = _fewer_calls(
             analysis, stream_plan, raw, best, host, verify
@@ -542,7 +543,7 @@ def paying_plan(analysis: Any, stream_plan: Any, raw: dict, host: HostCosts, ver
                 f'strategy="{stream_plan.strategy}" keeps it'
             ),
             {"fork": []},
-            analysis,
+            as_analysed,  # one stream, in the graph's order
         )
     stream_plan.estimate = best
     notes = []

@@ -98,11 +98,26 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
          int64_t stream,
          std::vector<int64_t> waits,
          const c10::IValue& keep) { run->sync(record, stream, waits, keep); });
+  // keep: what the output holds of the side streams' results, marked used
+  // on stream 0 (the caller's) first; the pass folds the sync that did it
+  // into join (stream_run.h).
   m.def(
       torch::schema(
           "join(" TORCH_STAGE_RUN " run, int[] side_streams) -> ()",
           kEffectful),
       [](const Run& run, std::vector<int64_t> side_streams) {
+        run->join(side_streams);
+      });
+  // (An overload: an `Any` argument takes no default.)
+  m.def(
+      torch::schema(
+          "join.keeping(" TORCH_STAGE_RUN
+          " run, int[] side_streams, Any keep) -> ()",
+          kEffectful),
+      [](const Run& run,
+         std::vector<int64_t> side_streams,
+         const c10::IValue& keep) {
+        run->record_stream(keep, 0);
         run->join(side_streams);
       });
   // torch.jit.trace records an op's arguments by their schema types and

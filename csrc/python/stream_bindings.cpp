@@ -492,8 +492,20 @@ PyObject* fast_join(
     size_t nargsf,
     PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (!takes_run_call(args, nargsf, kwnames, 2)) {
+  // join(run, side_streams) or join(run, side_streams, keep).
+  const bool with_keep = takes_run_call(args, nargsf, kwnames, 3);
+  if (!with_keep && !takes_run_call(args, nargsf, kwnames, 2)) {
     return fall_back(kJoin, args, nargsf, kwnames);
+  }
+  PyObject* keep = with_keep ? args[2] : Py_None;
+  if (keep != Py_None) {
+    const int overridden = has_torch_function(keep);
+    if (overridden < 0) {
+      return nullptr;
+    }
+    if (overridden) {
+      return fall_back(kJoin, args, nargsf, kwnames);
+    }
   }
   StreamRun* run = run_of(args[0], "join");
   c10::SmallVector<int64_t, 32> side_streams;
@@ -502,6 +514,11 @@ PyObject* fast_join(
     return nullptr;
   }
   RecordCall record_call("torch_stage::join");
+  // As sync's keep: an inactive run marks nothing; only an observer would
+  // see the value.
+  if (keep != Py_None && (run->is_active() || stream_observer_active())) {
+    run->record_stream(any_value(keep), 0);
+  }
   run->join(side_streams);
   if (!run->is_active() && fast_ops->spare_run != args[0]) {
     Py_XSETREF(fast_ops->spare_run, Py_NewRef(args[0]));
@@ -545,8 +562,9 @@ PyMethodDef fast_op_defs[] = {
     {"join",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_join)),
      METH_FASTCALL | METH_KEYWORDS,
-     "join(run, side_streams)\n--\n\n"
-     "Join the side streams into stream 0 (torch.ops.torch_stage.join)."},
+     "join(run, side_streams, keep=None)\n--\n\n"
+     "Join the side streams into stream 0 (torch.ops.torch_stage.join),\n"
+     "the tensors in keep (unless None) first marked used on stream 0."},
 };
 
 PyMethodDef run_depth_def[] = {
@@ -623,11 +641,17 @@ void init_streams(py::module_& m) {
           py::arg("keep"))
       .def(
           "join",
-          [](StreamRun& run, const std::vector<int64_t>& side_streams) {
+          [](StreamRun& run,
+             const std::vector<int64_t>& side_streams,
+             py::handle keep) {
             RECORD_FUNCTION("torch_stage::join", std::vector<c10::IValue>());
+            if (!keep.is_none()) {
+              run.record_stream(any_value(keep), 0);
+            }
             run.join(side_streams);
           },
-          py::arg("side_streams"))
+          py::arg("side_streams"),
+          py::arg("keep") = py::none())
       .def("id", &StreamRun::id)
       .def("is_active", &StreamRun::is_active)
       .def("device", &StreamRun::device)

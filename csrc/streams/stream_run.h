@@ -13,6 +13,10 @@
 //   join(run, side_streams)   stream 0 waits on those streams; the caller's
 //                             stream is current again
 //
+// (join(run, side_streams, keep) = record_stream(run, keep, 0), then join:
+// the output's tensors made on side streams, marked used on the caller's
+// stream in the call that ends the run rather than in a sync of their own.)
+//
 // and, to cut host cost, fuses each run of consecutive ops between two
 // nodes into one call (the record after the previous node, then the
 // prelude of the next):

@@ -164,6 +164,40 @@ def test_sync_is_the_ops_it_fuses_in_order():
     ]
 
 
+def test_join_with_a_keep_is_record_stream_on_the_callers_stream_then_join():
+    # The pass folds the sync that marked the outputs made on side streams
+    # used on the caller's stream into join: every path of it does what
+    # record_stream then join did.
+    x = torch.randn(3)
+
+    def notes_of(program):
+        notes = []
+        torch_stage._C._set_stream_observer(
+            lambda op, owner, stream, event, *rest: notes.append((op, stream, event))
+        )
+        try:
+            run = _ops.fork(3, [1, 2], 0, (x,))
+            program(run)
+        finally:
+            torch_stage._C._set_stream_observer(None)
+        return notes
+
+    def separate(run):
+        _ops.record_stream(run, (x,), 0)
+        _ops.join(run, [1, 2])
+
+    expected = notes_of(separate)
+    assert expected[-2:] == [("record_stream", 0, -1), ("join", 0, -1)]
+    assert notes_of(lambda run: _ops.join(run, [1, 2], (x,))) == expected  # C function
+    assert notes_of(lambda run: run.join([1, 2], (x,))) == expected  # the run's method
+    assert (
+        notes_of(lambda run: torch.ops.torch_stage.join(run.script_object(), [1, 2], (x,)))
+        == expected
+    )
+    # Without a keep, as before.
+    assert notes_of(lambda run: _ops.join(run, [1, 2], None)) == expected[:-2] + expected[-1:]
+
+
 def test_sync_takes_waits_as_a_list_or_a_tuple_and_refuses_anything_else():
     run = _ops.fork(2, [1], 2, (torch.ones(1),))
     run.sync(0, 1, [0], None)
@@ -397,7 +431,7 @@ def test_the_emitted_targets_are_c_functions_named_as_their_ops():
         (_ops.fork, ["num_streams", "side_streams", "num_events", "probes"]),
         (_ops.sync, ["run", "record", "stream", "waits", "keep"]),
         (_ops.record_event, ["run", "event", "stream"]),
-        (_ops.join, ["run", "side_streams"]),
+        (_ops.join, ["run", "side_streams", "keep"]),
     ]:
         assert isinstance(f, types.BuiltinFunctionType)
         assert (f.__module__, f.__qualname__) == ("torch_stage.streams.fx._ops", f.__name__)

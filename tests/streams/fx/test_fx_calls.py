@@ -394,3 +394,34 @@ def test_a_declined_plan_runs_in_the_graphs_order(monkeypatch):
     )
     assert paid.note.startswith("runs on one stream") and paid_raw == {"fork": []}
     assert issued is analysis
+
+
+class _SideOutput(nn.Module):
+    """The output is made on stream 1."""
+
+    def forward(self, x):
+        with torch_stage.stream(0):
+            a = x * 2
+        with torch_stage.stream(1):
+            b = x + 1
+            c = b * a
+        return c
+
+
+def test_join_marks_the_outputs_made_on_side_streams_used_on_the_callers_stream(tmp_path):
+    module = _SideOutput()
+    gm = torch_stage.multi_stream(module, num_streams=2)
+    calls = _stream_calls(gm)
+    join = calls[-1]
+    assert join.target is _ops.join and [a.name for a in join.args[2]] == ["mul_1"]
+    # No sync of its own before it.
+    assert calls[-2].target is not _ops.sync or calls[-2].args[2] != 0
+    x = torch.randn(4)
+    assert torch.equal(gm(x), module(x))
+    # Scripted, saved and loaded; and traced.
+    scripted = torch.jit.script(gm)
+    torch.jit.save(scripted, tmp_path / "plan.pt")
+    assert torch.equal(torch.jit.load(tmp_path / "plan.pt")(x), module(x))
+    traced = torch.jit.trace(gm, (x,))
+    assert torch.equal(traced(x), module(x))
+    assert "torch_stage::record_stream_traced" in str(traced.graph)

@@ -100,10 +100,16 @@ def _record_event(run: Any, event: int, stream: int) -> None:
     return _ns.record_event(run, event, stream)
 
 
-def _join(run: Any, side_streams: List[int]) -> None:
-    if type(run) is _Run:
-        return run.join(side_streams)
-    return _ns.join(run, side_streams)
+def _join(run: Any, side_streams: List[int], keep: Any = None) -> None:
+    if type(run) is _Run and (keep is None or not _has_torch_function(keep)):
+        return run.join(side_streams, keep)
+    if _jit_tracing() is not None:
+        if keep is not None:
+            _ns.record_stream_traced(run, tensors_in(keep), 0)
+        return _ns.join(run, side_streams)
+    if keep is None:
+        return _ns.join(run, side_streams)
+    return _ns.join(_op_run(run), side_streams, keep)
 
 
 fork, sync, record_event, join = _C._stream_fast_ops(
@@ -148,7 +154,8 @@ STREAM_OPS = _FUNCTIONS + tuple(getattr(_ns, f.__name__) for f in _FUNCTIONS)
 for _op in STREAM_OPS + (_ns.fork_traced, _ns.sync_traced, _ns.record_stream_traced):
     has_side_effect(_op)
     if isinstance(_op, torch._ops.OpOverloadPacket):
-        has_side_effect(_op.default)
+        for _overload in _op.overloads():
+            has_side_effect(getattr(_op, _overload))
 for _f in _FUNCTIONS:
     _builtins._register_builtin(_f, f"torch_stage::{_f.__name__}")
 

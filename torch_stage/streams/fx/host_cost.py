@@ -404,9 +404,9 @@ def estimate(
             call(host.record_us)
         pending = event[i] >= 0
         steps.append((i, stream[i]))
-    if current != 0:
-        call(host.sync_us + (host.record_us if pending else 0.0))
-    elif pending:
+    # Back to the caller's stream: join does that, and marks the outputs
+    # made on side streams used there (multi_stream_pass.py).
+    if pending:
         call(host.record_us)
     planned = _replay(steps, planned_preds, costs_us, host)
     return Estimate(one, planned, calls_us, calls, host)

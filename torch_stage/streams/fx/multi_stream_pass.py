@@ -3,7 +3,8 @@
 (The design sketch calls this module ``fx/pass``; ``pass`` is a Python
 keyword, so it could not be imported by that name.)
 
-For each node that launches device work, in the original order, the
+For each node that launches device work, in the order it is issued (the
+graph's, or stream by stream: torch_stage/streams/fx/calls.py), the
 rewritten graph does::
 
     sync(run, r, s, [e, ...], (x, ...))    when anything below is needed:
@@ -16,7 +17,9 @@ rewritten graph does::
                                  the next node has no sync to carry it
 
 between ``run = fork(...)`` after the inputs and ``join(run, ...)`` before
-the output. One call between two nodes instead of one per stream op: the
+the output (``join(run, streams, (out, ...))`` where outputs made on side
+streams are to be marked used on the caller's stream: the sync that did it
+before costs a call). One call between two nodes instead of one per stream op: the
 host cost of a rewritten forward is mostly these calls. The event is
 recorded at the same point of the stream's work either way (nothing
 between the node and the sync launches work; a constant re-created in
@@ -940,6 +943,7 @@ class _Rewrite(PlanWriter):
     (the module doc shows what goes where)."""
 
     share_constants = True
+    join_keeps = True
 
     def __init__(
         self,
@@ -1013,5 +1017,8 @@ class _Rewrite(PlanWriter):
     def record(self, n: torch.fx.Node, e: int, s: int) -> None:
         self.pending = self._call(_ops.record_event, self.run_node, e, s)
 
-    def join(self) -> None:
-        self._call(_ops.join, self.run_node, self.join_streams)
+    def join(self, keeps: List[torch.fx.Node]) -> None:
+        if keeps:
+            self._call(_ops.join, self.run_node, self.join_streams, tuple(keeps))
+        else:
+            self._call(_ops.join, self.run_node, self.join_streams)

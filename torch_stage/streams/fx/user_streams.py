@@ -348,7 +348,7 @@ class UserStreamWriter(PlanWriter):
     def record(self, n: torch.fx.Node, e: int, s: int) -> None:
         self._op("record_event", (self.table.event(e), self.table.stream(s)), s)
 
-    def join(self) -> None:
+    def join(self, keeps: List[torch.fx.Node]) -> None:
         for j, s in enumerate(self.join_streams):
             e = self.table.event(self.num_events + 1 + j)
             self._op("record_event", (e, self.table.stream(s)), s)

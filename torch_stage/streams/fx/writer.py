@@ -29,7 +29,8 @@ theirs. The walk decides the rest, the same for both:
   time (gpu-review #4: a caller that hands over its last reference frees
   them onto its own stream during forward), at the switch to the run of
   nodes on that stream that reads them;
-* outputs made on a side stream are marked used on the caller's stream.
+* outputs made on a side stream are marked used on the caller's stream (by
+  the join, for a writer with :attr:`PlanWriter.join_keeps`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class PlanWriter(ABC):
     #: Make a constant that several streams read once, before the fork,
     #: where it can be (see the module doc).
     share_constants = False
+    #: The join marks the outputs made on side streams used on the caller's
+    #: stream (one call less where nothing else needs a sync before the
+    #: output); else a sync before it does.
+    join_keeps = False
 
     def __init__(self, graph: torch.fx.Graph, analysis, raw: dict, stream_plan):
         self.graph = graph
@@ -122,7 +127,10 @@ class PlanWriter(ABC):
     def record(self, n: torch.fx.Node, e: int, s: int) -> None: ...
 
     @abstractmethod
-    def join(self) -> None: ...
+    def join(self, keeps: List[torch.fx.Node]) -> None:
+        """Before the output: the caller's stream waits on the side streams;
+        ``keeps`` (only where :attr:`join_keeps`) are outputs made on side
+        streams, marked used on the caller's stream."""
 
     # -- the walk ---------------------------------------------------------
 
@@ -221,15 +229,17 @@ class PlanWriter(ABC):
             for v in n.all_input_nodes
             if any(self.stream[self.analysis.index[r]] != 0 for r in self.analysis.roots(v))
         ]
-        if keeps or any(
+        constants = any(
             self.analysis.kind.get(v) == CONST and v not in self.shared for v in n.all_input_nodes
-        ):
+        )
+        if constants or (keeps and not self.join_keeps):
             with self.graph.inserting_before(n):
                 self.sync(0, [], keeps)
             self.current = 0
+            keeps = []
         self._constants_for(n, 0)
         with self.graph.inserting_before(n):
-            self.join()
+            self.join(keeps)
         self.current = 0
 
     def _constants_for(self, n: torch.fx.Node, s: int) -> None:

@@ -116,10 +116,7 @@ TORCH_LIBRARY_FRAGMENT(torch_stage, m) {
           kEffectful),
       [](const Run& run,
          std::vector<int64_t> side_streams,
-         const c10::IValue& keep) {
-        run->record_stream(keep, 0);
-        run->join(side_streams);
-      });
+         const c10::IValue& keep) { run->join(side_streams, keep); });
   // torch.jit.trace records an op's arguments by their schema types and
   // cannot record an Any: traced, fork, sync and record_stream are these,
   // which take the tensors among the values as Tensor[] (fx/_ops.py

@@ -214,6 +214,11 @@ int has_torch_function(PyObject* obj) {
   return t;
 }
 
+// has_torch_function of a sync's or join's keep; 0 for None.
+int keep_overridden(PyObject* keep) {
+  return keep == Py_None ? 0 : has_torch_function(keep);
+}
+
 // torch.compiler.is_compiling() without a Python call where the flag it
 // returns is a module global (torch 2.5 and newer), read from the module's
 // dict (a module getattr costs ~0.6k instructions); 1, 0 or -1 on error.
@@ -383,6 +388,14 @@ bool unobserved_call() {
               .has_value();
 }
 
+// A sync's or join's keep as the run takes it: None on an inactive run,
+// which marks nothing, unless an observer would see the value.
+c10::IValue kept_value(const StreamRun* run, PyObject* keep) {
+  return keep != Py_None && (run->is_active() || stream_observer_active())
+      ? any_value(keep)
+      : c10::IValue();
+}
+
 // sync on an inactive run (a forward on CPU) with nothing to record,
 // check or say: the run's bookkeeping alone (StreamRun::sync_inactive),
 // without HANDLE_TH_ERRORS (whose warning handler is a fifth of a sync's
@@ -418,14 +431,9 @@ PyObject* fast_sync(
     return fall_back(kSync, args, nargsf, kwnames);
   }
   PyObject* keep = args[4];
-  if (keep != Py_None) {
-    const int overridden = has_torch_function(keep);
-    if (overridden < 0) {
-      return nullptr;
-    }
-    if (overridden) {
-      return fall_back(kSync, args, nargsf, kwnames);
-    }
+  const int overridden = keep_overridden(keep);
+  if (overridden != 0) {
+    return overridden < 0 ? nullptr : fall_back(kSync, args, nargsf, kwnames);
   }
   StreamRun* run = run_of(args[0], "sync");
   int64_t record = 0;
@@ -442,10 +450,7 @@ PyObject* fast_sync(
   if (run->sync_inactive(record, stream, waits)) {
     Py_RETURN_NONE;
   }
-  // An inactive run marks nothing; only an observer would see the value.
-  const bool keeps =
-      keep != Py_None && (run->is_active() || stream_observer_active());
-  run->sync(record, stream, waits, keeps ? any_value(keep) : c10::IValue());
+  run->sync(record, stream, waits, kept_value(run, keep));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -498,14 +503,9 @@ PyObject* fast_join(
     return fall_back(kJoin, args, nargsf, kwnames);
   }
   PyObject* keep = with_keep ? args[2] : Py_None;
-  if (keep != Py_None) {
-    const int overridden = has_torch_function(keep);
-    if (overridden < 0) {
-      return nullptr;
-    }
-    if (overridden) {
-      return fall_back(kJoin, args, nargsf, kwnames);
-    }
+  const int overridden = keep_overridden(keep);
+  if (overridden != 0) {
+    return overridden < 0 ? nullptr : fall_back(kJoin, args, nargsf, kwnames);
   }
   StreamRun* run = run_of(args[0], "join");
   c10::SmallVector<int64_t, 32> side_streams;
@@ -514,12 +514,7 @@ PyObject* fast_join(
     return nullptr;
   }
   RecordCall record_call("torch_stage::join");
-  // As sync's keep: an inactive run marks nothing; only an observer would
-  // see the value.
-  if (keep != Py_None && (run->is_active() || stream_observer_active())) {
-    run->record_stream(any_value(keep), 0);
-  }
-  run->join(side_streams);
+  run->join(side_streams, kept_value(run, keep));
   if (!run->is_active() && fast_ops->spare_run != args[0]) {
     Py_XSETREF(fast_ops->spare_run, Py_NewRef(args[0]));
   }
@@ -645,10 +640,7 @@ void init_streams(py::module_& m) {
              const std::vector<int64_t>& side_streams,
              py::handle keep) {
             RECORD_FUNCTION("torch_stage::join", std::vector<c10::IValue>());
-            if (!keep.is_none()) {
-              run.record_stream(any_value(keep), 0);
-            }
-            run.join(side_streams);
+            run.join(side_streams, any_value(keep));
           },
           py::arg("side_streams"),
           py::arg("keep") = py::none())

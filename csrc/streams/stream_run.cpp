@@ -414,6 +414,15 @@ void StreamRun::join(c10::ArrayRef<int64_t> side_streams) {
   finish(side_streams);
 }
 
+void StreamRun::join(
+    c10::ArrayRef<int64_t> side_streams,
+    const c10::IValue& keep) {
+  if (!keep.isNone()) {
+    record_stream(keep, 0);
+  }
+  join(side_streams);
+}
+
 int64_t StreamRun::thread_run_depth() {
   return static_cast<int64_t>(tls_runs.size());
 }

@@ -183,6 +183,10 @@ class StreamRun : public torch::CustomClassHolder {
   // Stream 0 waits on the given side streams; stream 0 is current again.
   // After join the run accepts no more ops.
   void join(c10::ArrayRef<int64_t> side_streams);
+  // record_stream(keep, 0) unless keep is None, then join: the outputs
+  // made on side streams marked used on the caller's stream by the call
+  // that ends the run.
+  void join(c10::ArrayRef<int64_t> side_streams, const c10::IValue& keep);
 
   // The run's id in StreamObserver notes (csrc/streams/stream_observer.h).
   int64_t id() const {

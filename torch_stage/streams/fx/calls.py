@@ -47,7 +47,7 @@ import torch.fx
 from torch_stage.streams.fx.classify import ALIAS, CONST, DEVICE, HOST, OUTPUT
 from torch_stage.streams.fx.effects import known_effects
 
-__all__ = ["compact", "issue_in_order", "stream_order"]
+__all__ = ["compact", "issue_in_order", "segments", "stream_order"]
 
 
 def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) -> dict:
@@ -70,7 +70,7 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
     # Records first: merged events change what the waits name.
     alias: Dict[int, int] = {}
     if records:
-        for first, last in _segments(stream):
+        for first, last in segments(stream):
             if last + 1 >= count:
                 continue  # no switch after it to carry a record
             for k in range(first, last):
@@ -130,8 +130,9 @@ def compact(raw: Mapping[str, Any], waits: bool = True, records: bool = True) ->
     return out
 
 
-def _segments(stream: Sequence[int]) -> List[tuple]:
-    """``(first, last)`` of each run of consecutive nodes on one stream."""
+def segments(stream: Sequence[int]) -> List[tuple]:
+    """``(first, last)`` of each run of consecutive nodes on one stream
+    (``stream``: per device node, in issue order)."""
     found = []
     first = 0
     for i in range(1, len(stream) + 1):

@@ -94,8 +94,8 @@ def aliased_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         return _aliased_by_schemas([n.target._schema], n.args, n.kwargs)
     if n.op == "call_module":
-        module = root.get_submodule(n.target) if root is not None else None
-        if module is None or not type(module).__module__.startswith("torch.nn."):
+        module = _torch_nn_module(n, root)
+        if module is None:
             return []
         probed = _probe_both(n, module, root)
         return [] if probed is None else probed[1]
@@ -117,11 +117,21 @@ def writes_module_state(n: torch.fx.Node, root: torch.nn.Module) -> Optional[boo
     (without example inputs: a linear layer under spectral norm)."""
     if n.op != "call_module":
         return False
-    module = root.get_submodule(n.target)
-    if not type(module).__module__.startswith("torch.nn."):
+    module = _torch_nn_module(n, root)
+    if module is None:
         return None
     probed = _probe_both(n, module, root)
     return None if probed is None else probed[2]
+
+
+def _torch_nn_module(n: torch.fx.Node, root: Optional[torch.nn.Module]):
+    """The module a ``call_module`` node calls, where it is one of
+    ``torch.nn``'s (whose effects its ops tell: it may run on meta
+    stand-ins); None for a user's module, or without ``root``."""
+    if root is None:
+        return None
+    module = root.get_submodule(n.target)
+    return module if type(module).__module__.startswith("torch.nn.") else None
 
 
 def draws_random(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> bool:
@@ -143,8 +153,8 @@ def draws_random(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> bo
         )
     probed = None
     if n.op == "call_module":
-        module = root.get_submodule(target) if root is not None else None
-        if module is not None and type(module).__module__.startswith("torch.nn."):
+        module = _torch_nn_module(n, root)
+        if module is not None:
             probed = _probe_both(n, module, root)
     elif _probe_safe(n):
         probed = _probe_both(n, root=root)
@@ -195,10 +205,7 @@ def known_effects(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> b
         return True
     target = n.target
     if op == "call_module":
-        if root is None:
-            return False
-        module = root.get_submodule(target)
-        return type(module).__module__.startswith("torch.nn.")
+        return _torch_nn_module(n, root) is not None
     if op == "call_method":
         if target in _STATEFUL_METHODS:
             return False
@@ -419,14 +426,15 @@ def _probe_both(
     n: torch.fx.Node,
     module: Optional[torch.nn.Module] = None,
     root: Optional[torch.nn.Module] = None,
-) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
+) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool, bool]]:
     """Run ``n`` (a call of ``module`` for a ``call_module`` node) on meta
     tensors: the arguments it writes, the argument nodes whose memory its
     result shares, whether it writes the module's own parameters or
     buffers, and whether it draws random numbers (an op it reaches is
-    tagged ``nondeterministic_seeded``). None when it cannot run there. ``root`` (the graph's owner)
-    gives the ``get_attr`` nodes among the arguments their stand-ins;
-    without it, a node that reads one is not probed."""
+    tagged ``nondeterministic_seeded``). None when it cannot run there.
+    ``root`` (the graph's owner) gives the ``get_attr`` nodes among the
+    arguments their stand-ins; without it, a node that reads one is not
+    probed."""
     probes = getattr(_cache, "probes", None)
     key = (n, module is not None, None if root is None else id(root))
     if probes is not None and key in probes:
@@ -487,7 +495,7 @@ def _probe_with(
     module: Optional[torch.nn.Module],
     dtype: Optional[torch.dtype],
     root: Optional[torch.nn.Module] = None,
-) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool]]:
+) -> Optional[Tuple[List[Any], List[torch.fx.Node], bool, bool]]:
     """_probe_both with stand-ins of ``dtype`` where shapes are unknown."""
     stand_ins: Dict[torch.fx.Node, torch.Tensor] = {}
     failed = False

@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch_stage import _C
 from torch_stage.streams.fx import _ops
 from torch_stage.streams.fx._example import tensors_in
-from torch_stage.streams.fx.calls import compact, stream_order
+from torch_stage.streams.fx.calls import compact, segments, stream_order
 from torch_stage.streams.fx.cost_model import LAUNCH_US
 from torch_stage.streams.fx.stream_plan import plan, with_raw
 
@@ -631,13 +631,9 @@ def _fewer_calls(analysis, stream_plan, raw, best, host, verify):
         with_raw(stream_plan, a, r),
         r,
         found,
-        _switches(raw["stream"]) - _switches(r["stream"]) if a is not analysis else 0,
+        len(segments(raw["stream"])) - len(segments(r["stream"])) if a is not analysis else 0,
         as_planned.calls - found.calls,
     )
-
-
-def _switches(stream: Sequence[int]) -> int:
-    return sum(1 for i in range(1, len(stream)) if stream[i] != stream[i - 1])
 
 
 #: Branches :func:`paying_plan` tries on another stream, at most, per plan:
@@ -669,11 +665,7 @@ def _small_branches(
     switch) and the one its first input from another stream comes from."""
     limit = 2.0 * host.sync_us + 2.0 * (host.record_us + host.wait_us)
     found = []
-    i, count = 0, len(stream)
-    while i < count:
-        j = i
-        while j + 1 < count and stream[j + 1] == stream[i]:
-            j += 1
+    for i, j in segments(stream):
         s = stream[i]
         work = sum(costs_us[i : j + 1])
         if s != 0 and work < limit:
@@ -681,7 +673,6 @@ def _small_branches(
             targets.append(_input_stream(range(i, j + 1), stream, producers))
             targets = list(dict.fromkeys(t for t in targets if t != s))
             found.append((work, i, j, targets))
-        i = j + 1
     found.sort(key=lambda f: (f[0], f[1]))
     return [(i, j, targets) for _, i, j, targets in found]
 

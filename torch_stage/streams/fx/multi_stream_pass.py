@@ -19,8 +19,8 @@ rewritten graph does::
 between ``run = fork(...)`` after the inputs and ``join(run, ...)`` before
 the output (``join(run, streams, (out, ...))`` where outputs made on side
 streams are to be marked used on the caller's stream: the sync that did it
-before costs a call). One call between two nodes instead of one per stream op: the
-host cost of a rewritten forward is mostly these calls. The event is
+before costs a call). One call between two nodes instead of one per stream
+op: the host cost of a rewritten forward is mostly these calls. The event is
 recorded at the same point of the stream's work either way (nothing
 between the node and the sync launches work; a constant re-created in
 between keeps the record where it was). A graph that needs a single

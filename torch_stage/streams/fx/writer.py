@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx
 
+from torch_stage.streams.fx.calls import segments
 from torch_stage.streams.fx.classify import ALIAS, CONST, DEVICE, INPUT, OUTPUT
 
 __all__ = ["PlanWriter"]
@@ -86,10 +87,9 @@ class PlanWriter(ABC):
             self.keeps[node].append(producer)
         # The last node of the run of consecutive nodes on one stream that
         # each node is in.
-        self.segment_end = list(range(count))
-        for k in range(count - 2, -1, -1):
-            if self.stream[k] == self.stream[k + 1]:
-                self.segment_end[k] = self.segment_end[k + 1]
+        self.segment_end = [
+            last for first, last in segments(self.stream) for _ in range(first, last + 1)
+        ]
         self.fork_streams = list(raw["fork"])
         self.join_streams = list(raw["join"])
         self.num_events = len(raw["event_node"])

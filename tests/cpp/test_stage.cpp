@@ -429,6 +429,7 @@ TEST(Stage, WithNoThreadTheConsumerProducesAndNoProducerStarts) {
 
 TEST(Stage, AProducerThreadStartsWhenTheTunerFirstLetsItWork) {
   auto work = std::make_shared<CountingWork>(200000);
+  work->sleep_us = 100;
   auto o = restless(2, 0);
   o.name = "late";
   Stage stage(o, work);

@@ -27,6 +27,10 @@
 #include <optional>
 #include <vector>
 
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h> // PyLongObject's digits; Python.h has it from 3.11
+#endif
+
 #include "python/bindings.h"
 #include "streams/stream_observer.h"
 #include "streams/stream_pool.h"
@@ -112,6 +116,11 @@ class RecordCall {
             *guard_, name, std::vector<c10::IValue>());
       }
     }
+  }
+
+  // Whether a callback listened (StreamRun::unprofiled).
+  bool listened() const {
+    return guard_.has_value();
   }
 
  private:
@@ -243,8 +252,16 @@ int compiling() {
 // The StreamRun of a _StreamRun (exact type checked by the caller), or
 // nullptr, no error set, for an instance whose constructor never ran.
 StreamRun* plain_run(PyObject* obj) {
-  auto v_h = reinterpret_cast<py::detail::instance*>(obj)->get_value_and_holder(
-      nullptr, false);
+  auto* inst = reinterpret_cast<py::detail::instance*>(obj);
+  // A class of one C++ type, as _StreamRun is, keeps its value and holder
+  // in the instance itself (pybind11's simple layout): read them there
+  // rather than through get_value_and_holder, a call a tenth of a sync.
+  if (C10_LIKELY(inst->simple_layout)) {
+    return inst->simple_holder_constructed
+        ? static_cast<StreamRun*>(inst->simple_value_holder[0])
+        : nullptr;
+  }
+  auto v_h = inst->get_value_and_holder(nullptr, false);
   // (A constructed holder may still hold no run: value_ptr is null then.)
   return v_h && v_h.holder_constructed() ? v_h.value_ptr<StreamRun>() : nullptr;
 }
@@ -261,7 +278,41 @@ StreamRun* run_of(PyObject* obj, const char* op) {
   return run;
 }
 
+// What the inline paths below read without a Python error or a C++
+// exception: an exact int that fits (here), a tuple or list of a few such
+// (plain_ints), a run whose constructor ran (plain_run). Anything else is
+// false, no error set: the general path then reads it again and says what
+// is wrong.
+bool plain_int(PyObject* obj, int64_t* out) {
+  if (!PyLong_CheckExact(obj)) {
+    return false;
+  }
+  // The pass's ints (streams, events) are small: read one digit where
+  // CPython keeps one, without PyLong_AsLongLongAndOverflow (a call and its
+  // checks, a fifth of a sync's instructions for its two or three ints).
+#if PY_VERSION_HEX >= 0x030C0000
+  auto* value = reinterpret_cast<PyLongObject*>(obj);
+  if (PyUnstable_Long_IsCompact(value)) {
+    *out = PyUnstable_Long_CompactValue(value);
+    return true;
+  }
+#else
+  const Py_ssize_t digits = Py_SIZE(obj);
+  if (digits >= -1 && digits <= 1) {
+    *out = digits *
+        static_cast<int64_t>(reinterpret_cast<PyLongObject*>(obj)->ob_digit[0]);
+    return true;
+  }
+#endif
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  return overflow == 0 && !(*out == -1 && PyErr_Occurred());
+}
+
 bool read_int(PyObject* obj, const char* op, const char* name, int64_t* out) {
+  if (plain_int(obj, out)) {
+    return true;
+  }
   if (!PyLong_Check(obj)) {
     PyErr_Format(
         PyExc_TypeError,
@@ -332,44 +383,37 @@ PyObject* fast_fork(
   // one again saves a third of what fork and join cost the host between
   // two ops (a new run, its Python object, and the registries of both).
   PyObject* spare = fast_ops->spare_run;
-  if (spare != nullptr && Py_REFCNT(spare) == 1 &&
-      run_of(spare, "fork")
-          ->restart(device, num_streams, side_streams, num_events)) {
-    fast_ops->spare_run = nullptr;
-    return spare;
+  if (spare != nullptr && Py_REFCNT(spare) == 1) {
+    StreamRun* run = run_of(spare, "fork");
+    if (run->restart(device, num_streams, side_streams, num_events)) {
+      run->set_unprofiled(!record_call.listened());
+      fast_ops->spare_run = nullptr;
+      return spare;
+    }
   }
-  return py::cast(
-             c10::make_intrusive<StreamRun>(
-                 device,
-                 num_streams,
-                 std::vector<int64_t>(side_streams.begin(), side_streams.end()),
-                 num_events))
-      .release()
-      .ptr();
+  auto run = c10::make_intrusive<StreamRun>(
+      device,
+      num_streams,
+      std::vector<int64_t>(side_streams.begin(), side_streams.end()),
+      num_events);
+  run->set_unprofiled(!record_call.listened());
+  return py::cast(std::move(run)).release().ptr();
   END_HANDLE_TH_ERRORS
-}
-
-// What the inline paths below read without a Python error or a C++
-// exception: an exact int that fits, a tuple (or list) of at most 8 such,
-// a run whose constructor ran. Anything else is false, no error set: the
-// general path then reads it again and says what is wrong.
-bool plain_int(PyObject* obj, int64_t* out) {
-  if (!PyLong_CheckExact(obj)) {
-    return false;
-  }
-  int overflow = 0;
-  *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  return overflow == 0 && !(*out == -1 && PyErr_Occurred());
 }
 
 constexpr Py_ssize_t kInlineWaits = 8;
 
-bool plain_ints(PyObject* obj, int64_t* out, Py_ssize_t* size) {
+// At most `capacity` plain ints into `out`.
+bool plain_ints(
+    PyObject* obj,
+    int64_t* out,
+    Py_ssize_t* size,
+    Py_ssize_t capacity = kInlineWaits) {
   if (!PyTuple_CheckExact(obj) && !PyList_CheckExact(obj)) {
     return false;
   }
   *size = PySequence_Fast_GET_SIZE(obj);
-  if (*size > kInlineWaits) {
+  if (*size > capacity) {
     return false;
   }
   PyObject** items = PySequence_Fast_ITEMS(obj);
@@ -381,13 +425,6 @@ bool plain_ints(PyObject* obj, int64_t* out, Py_ssize_t* size) {
   return true;
 }
 
-// Whether a profiler (or any RecordFunction callback) listens: then the
-// general paths make the call's RecordFunction.
-bool unobserved_call() {
-  return !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION)
-              .has_value();
-}
-
 // A sync's or join's keep as the run takes it: None on an inactive run,
 // which marks nothing, unless an observer would see the value.
 c10::IValue kept_value(const StreamRun* run, PyObject* keep) {
@@ -396,11 +433,12 @@ c10::IValue kept_value(const StreamRun* run, PyObject* keep) {
       : c10::IValue();
 }
 
-// sync on an inactive run (a forward on CPU) with nothing to record,
-// check or say: the run's bookkeeping alone (StreamRun::sync_inactive),
-// without HANDLE_TH_ERRORS (whose warning handler is a fifth of a sync's
-// instructions) or a RecordCall. True when done; false, nothing changed
-// and no error set, for the general path to do the call.
+// sync on an inactive, unprofiled run (a forward on CPU) with nothing to
+// record, check or say: the run's bookkeeping alone
+// (StreamRun::sync_inactive), without HANDLE_TH_ERRORS (whose warning
+// handler is a fifth of a sync's instructions) or a RecordCall. True when
+// done; false, nothing changed and no error set, for the general path to
+// do the call.
 bool sync_inline(PyObject* const* args) {
   PyObject* keep = args[4];
   if (keep != Py_None && has_torch_function_inline(keep) != 0) {
@@ -411,21 +449,20 @@ bool sync_inline(PyObject* const* args) {
   int64_t stream = 0;
   int64_t waits[kInlineWaits];
   Py_ssize_t count = 0;
-  return run != nullptr && plain_int(args[1], &record) &&
+  return run != nullptr && run->unprofiled() && plain_int(args[1], &record) &&
       plain_int(args[2], &stream) && plain_ints(args[3], waits, &count) &&
-      unobserved_call() &&
       run->sync_inactive(record, stream, c10::ArrayRef<int64_t>(waits, count));
 }
 
-PyObject* fast_sync(
-    PyObject* /*self*/,
+// Each fast function is its inline path, then a call of its general one:
+// kept apart (not inlined), the inline path is a few cache lines with a
+// small frame, where the general path's frame and code came first
+// (HANDLE_TH_ERRORS, a RecordFunction, vectors on the stack).
+C10_NOINLINE PyObject* sync_general(
     PyObject* const* args,
     size_t nargsf,
-    PyObject* kwnames) {
-  const bool run_call = takes_run_call(args, nargsf, kwnames, 5);
-  if (run_call && sync_inline(args)) {
-    Py_RETURN_NONE;
-  }
+    PyObject* kwnames,
+    bool run_call) {
   HANDLE_TH_ERRORS
   if (!run_call) {
     return fall_back(kSync, args, nargsf, kwnames);
@@ -455,23 +492,23 @@ PyObject* fast_sync(
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* fast_record_event(
+PyObject* fast_sync(
     PyObject* /*self*/,
     PyObject* const* args,
     size_t nargsf,
     PyObject* kwnames) {
-  // The inline path, as sync's (sync_inline).
-  const bool run_call = takes_run_call(args, nargsf, kwnames, 3);
-  if (run_call) {
-    StreamRun* run = plain_run(args[0]);
-    int64_t event = 0;
-    int64_t stream = 0;
-    if (run != nullptr && plain_int(args[1], &event) &&
-        plain_int(args[2], &stream) && unobserved_call() &&
-        run->record_event_inactive(event, stream)) {
-      Py_RETURN_NONE;
-    }
+  const bool run_call = takes_run_call(args, nargsf, kwnames, 5);
+  if (run_call && sync_inline(args)) {
+    Py_RETURN_NONE;
   }
+  return sync_general(args, nargsf, kwnames, run_call);
+}
+
+C10_NOINLINE PyObject* record_event_general(
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames,
+    bool run_call) {
   HANDLE_TH_ERRORS
   if (!run_call) {
     return fall_back(kRecordEvent, args, nargsf, kwnames);
@@ -491,15 +528,60 @@ PyObject* fast_record_event(
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* fast_join(
+PyObject* fast_record_event(
     PyObject* /*self*/,
     PyObject* const* args,
     size_t nargsf,
     PyObject* kwnames) {
+  // The inline path, as sync's (sync_inline).
+  const bool run_call = takes_run_call(args, nargsf, kwnames, 3);
+  if (run_call) {
+    StreamRun* run = plain_run(args[0]);
+    int64_t event = 0;
+    int64_t stream = 0;
+    if (run != nullptr && run->unprofiled() && plain_int(args[1], &event) &&
+        plain_int(args[2], &stream) &&
+        run->record_event_inactive(event, stream)) {
+      Py_RETURN_NONE;
+    }
+  }
+  return record_event_general(args, nargsf, kwnames, run_call);
+}
+
+// After a join: an inactive run is the one the next fork may start again.
+void keep_spare(PyObject* joined, const StreamRun* run) {
+  if (!run->is_active() && fast_ops->spare_run != joined) {
+    Py_XSETREF(fast_ops->spare_run, Py_NewRef(joined));
+  }
+}
+
+// join on an inactive, unprofiled run, as sync_inline: true when done;
+// false, nothing changed and no error set, for the general path.
+bool join_inline(PyObject* const* args, bool with_keep) {
+  PyObject* keep = with_keep ? args[2] : Py_None;
+  if (keep != Py_None && has_torch_function_inline(keep) != 0) {
+    return false;
+  }
+  StreamRun* run = plain_run(args[0]);
+  int64_t side_streams[kMaxStreams];
+  Py_ssize_t count = 0;
+  if (run == nullptr || !run->unprofiled() ||
+      !plain_ints(args[1], side_streams, &count, kMaxStreams) ||
+      !run->join_inactive(c10::ArrayRef<int64_t>(side_streams, count))) {
+    return false;
+  }
+  keep_spare(args[0], run);
+  return true;
+}
+
+C10_NOINLINE PyObject* join_general(
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames,
+    bool run_call,
+    bool with_keep) {
   HANDLE_TH_ERRORS
-  // join(run, side_streams) or join(run, side_streams, keep).
-  const bool with_keep = takes_run_call(args, nargsf, kwnames, 3);
-  if (!with_keep && !takes_run_call(args, nargsf, kwnames, 2)) {
+  if (!run_call) {
     return fall_back(kJoin, args, nargsf, kwnames);
   }
   PyObject* keep = with_keep ? args[2] : Py_None;
@@ -515,11 +597,23 @@ PyObject* fast_join(
   }
   RecordCall record_call("torch_stage::join");
   run->join(side_streams, kept_value(run, keep));
-  if (!run->is_active() && fast_ops->spare_run != args[0]) {
-    Py_XSETREF(fast_ops->spare_run, Py_NewRef(args[0]));
-  }
+  keep_spare(args[0], run);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
+}
+
+PyObject* fast_join(
+    PyObject* /*self*/,
+    PyObject* const* args,
+    size_t nargsf,
+    PyObject* kwnames) {
+  // join(run, side_streams) or join(run, side_streams, keep).
+  const bool with_keep = takes_run_call(args, nargsf, kwnames, 3);
+  const bool run_call = with_keep || takes_run_call(args, nargsf, kwnames, 2);
+  if (run_call && join_inline(args, with_keep)) {
+    Py_RETURN_NONE;
+  }
+  return join_general(args, nargsf, kwnames, run_call, with_keep);
 }
 
 PyObject* fast_run_depth(PyObject* /*self*/, PyObject* /*unused*/) {

@@ -414,6 +414,22 @@ void StreamRun::join(c10::ArrayRef<int64_t> side_streams) {
   finish(side_streams);
 }
 
+bool StreamRun::join_inactive(c10::ArrayRef<int64_t> side_streams) {
+  if (active_ || joined_ || owner_ != std::this_thread::get_id() ||
+      stream_observer_active()) {
+    return false;
+  }
+  for (const int64_t s : side_streams) {
+    if (std::find(forked_.begin(), forked_.end(), s) == forked_.end()) {
+      return false;
+    }
+  }
+  // Without streams or an observer, finish only leaves the thread's
+  // registry and turns autocast's cache back on: nothing that throws.
+  finish(side_streams);
+  return true;
+}
+
 void StreamRun::join(
     c10::ArrayRef<int64_t> side_streams,
     const c10::IValue& keep) {

@@ -183,6 +183,9 @@ class StreamRun : public torch::CustomClassHolder {
   // Stream 0 waits on the given side streams; stream 0 is current again.
   // After join the run accepts no more ops.
   void join(c10::ArrayRef<int64_t> side_streams);
+  // join where all it does is its checks' bookkeeping, as sync_inactive:
+  // false, having changed nothing, where join would do more or throw.
+  bool join_inactive(c10::ArrayRef<int64_t> side_streams);
   // record_stream(keep, 0) unless keep is None, then join: the outputs
   // made on side streams marked used on the caller's stream by the call
   // that ends the run.
@@ -203,6 +206,20 @@ class StreamRun : public torch::CustomClassHolder {
 
   bool is_active() const {
     return active_;
+  }
+  // Whether this run's calls go unprofiled: set by the Python fork
+  // (csrc/python/stream_bindings.cpp) where no RecordFunction callback
+  // listened when it forked or restarted the run. Its calls then make no
+  // RecordFunction of their own and do not look for callbacks again (at
+  // every sync that look was a fifth of the call's instructions), so a
+  // profiler started between a run's fork and its join does not see that
+  // run's calls; the next forward's are seen. False for every other run:
+  // its calls look each time.
+  bool unprofiled() const {
+    return unprofiled_;
+  }
+  void set_unprofiled(bool unprofiled) {
+    unprofiled_ = unprofiled;
   }
   // "cpu" for an inactive run, else the device ("cuda:0").
   std::string device() const;
@@ -254,6 +271,7 @@ class StreamRun : public torch::CustomClassHolder {
   // The run turned autocast's weight cache off on its thread (see
   // register_live) and turns it back on when it finishes.
   bool restore_autocast_cache_ = false;
+  bool unprofiled_ = false;
 };
 
 } // namespace torch_stage

@@ -111,8 +111,17 @@ TEST(StreamRun, TheInlinePathsLeaveAnythingButPlainBookkeepingToSync) {
   bool elsewhere = true;
   std::thread([&] { elsewhere = run.sync_inactive(-1, 0, {}); }).join();
   EXPECT_FALSE(elsewhere); // another thread's call: for sync to refuse
-  run.join({1});
+  std::thread([&] { elsewhere = run.join_inactive({1}); }).join();
+  EXPECT_FALSE(elsewhere);
+  EXPECT_FALSE(run.join_inactive({0})); // not forked: for join to refuse
+  EXPECT_FALSE(run.join_inactive({2}));
+  const int64_t depth = StreamRun::thread_run_depth();
+  EXPECT_TRUE(run.join_inactive({1}));
+  EXPECT_EQ(StreamRun::thread_run_depth(), depth - 1); // left the thread's
   EXPECT_FALSE(run.sync_inactive(-1, 0, {})); // joined
+  EXPECT_FALSE(run.join_inactive({})); // joined: join says so
+  EXPECT_TRUE(contains(
+      error_of([&] { run.join({}); }), "the stream run was already joined"));
 }
 
 // The diamond's plan (csrc/schedule tests): node 2 on stream 1 waits for
@@ -403,6 +412,17 @@ TEST(StreamPool, StagingStreamsAreTheirOwn) {
   EXPECT_TRUE(test_util::contains(
       test_util::error_of([&] { StreamPool::staging_stream(device, 0); }),
       "staging stream id must be in 1..31, got 0"));
+}
+
+TEST(StreamRun, TheInlineJoinLeavesARunOnADeviceToJoin) {
+  // Defined last, so run after the suite's other tests (which count the
+  // fake device's events), on a device of its own.
+  const auto device = fake_device(6);
+  StreamRun run(device, 2, {1}, 0);
+  fake().take_log();
+  EXPECT_FALSE(run.join_inactive({1})); // device work
+  EXPECT_TRUE(fake().take_log().empty());
+  run.join({1});
 }
 
 } // namespace

@@ -1,6 +1,7 @@
 """The stream ops (torch.ops.torch_stage.fork/set_stream/record_event/
 wait_event/record_stream/join, torch_stage/streams/fx/_ops.py) and plan_streams."""
 
+import contextlib
 import threading
 
 import pytest
@@ -459,13 +460,35 @@ def test_what_the_inline_path_does_not_read_goes_the_general_way():
         _ops.sync(run, -1, 2**70, [], None)
     with pytest.raises(OverflowError):
         _ops.record_event(run, -(2**70), 0)
+    # Ints of more than one CPython digit (30 bits) fit an int64 but not the
+    # inline path's one-digit read.
+    with pytest.raises(ValueError, match=f"stream {2**40} is outside the pool of 2 streams"):
+        _ops.sync(run, -1, 2**40, [], None)
+    with pytest.raises(ValueError, match=f"event {-(2**40)} does not exist"):
+        _ops.record_event(run, -(2**40), 0)
+    _ops.sync(run, -(2**40), 0, [], None)  # a negative record records nothing
+    with pytest.raises(ValueError, match=f"stream {2**40} was not forked"):
+        _ops.join(run, [2**40])
     _ops.join(run, [1])
 
 
-# Unobserved, a CPU run's sync and record_event take their inline path
-# (StreamRun::sync_inactive): the same checks, the same errors.
-@pytest.mark.parametrize("observed", [True, pytest.param(False, marks=pytest.mark.no_sanitizer)])
-def test_the_c_functions_check_their_arguments(observed):
+# Unprofiled, a CPU run's sync, record_event and join take their inline
+# path (StreamRun::sync_inactive, join_inactive); forked under a profiler,
+# the general one: the same checks, the same errors.
+@pytest.mark.parametrize("profiled", [True, pytest.param(False, marks=pytest.mark.no_sanitizer)])
+def test_the_c_functions_check_their_arguments(profiled):
+    with contextlib.ExitStack() as stack:
+        if profiled:
+            prof = stack.enter_context(
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            )
+        _check_the_c_functions_arguments()
+    if profiled:
+        names = {e.name for e in prof.events()}
+        assert {"torch_stage::sync", "torch_stage::record_event", "torch_stage::join"} <= names
+
+
+def _check_the_c_functions_arguments():
     run = _ops.fork(2, [1], 1, (torch.ones(1),))
     assert type(run) is torch_stage._C._StreamRun
     with pytest.raises(TypeError, match="sync: record must be an int, got float"):
@@ -507,6 +530,10 @@ def test_the_c_functions_check_their_arguments(observed):
         _ops.record_event(run, None, 1)
     with pytest.raises(TypeError, match="the stream run holds no run"):
         _ops.join(torch_stage._C._StreamRun.__new__(torch_stage._C._StreamRun), [])
+    with pytest.raises(ValueError, match="stream 0 was not forked by this run"):
+        _ops.join(run, [0])
+    with pytest.raises(TypeError, match="join: side_streams must be an int, got float"):
+        _ops.join(run, [1.0])
     _ops.join(run, [1])
     with pytest.raises(RuntimeError, match="already joined"):
         _ops.join(run, [])
@@ -565,6 +592,25 @@ def test_fork_starts_a_joined_cpu_run_again_only_where_no_one_can_tell():
             _ops.join(run, [1])
             del run
     assert len(ids) == 2
+
+
+@pytest.mark.no_sanitizer
+def test_a_profiler_sees_the_calls_of_runs_forked_while_it_listens():
+    # Whether anyone listens is asked once a run, at fork (StreamRun::
+    # unprofiled): a run forked before the profiler started goes unseen to
+    # its join, the next one is seen, a spare run started again included.
+    x = torch.ones(1)
+    before = _ops.fork(2, [1], 0, (x,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _ops.sync(before, -1, 1, [], None)
+        _ops.join(before, [1])
+        del before
+        run = _ops.fork(2, [1], 1, (x,))
+        _ops.sync(run, 0, 0, [0], None)
+        _ops.join(run, [1])
+        del run
+    names = sorted(e.name for e in prof.events() if e.name.startswith("torch_stage::"))
+    assert names == ["torch_stage::fork", "torch_stage::join", "torch_stage::sync"]
 
 
 def test_the_profiler_sees_each_stream_op_of_an_eager_cpu_forward():

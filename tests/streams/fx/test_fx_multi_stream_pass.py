@@ -42,13 +42,13 @@ def stream_calls(gm):
 def test_two_towers_are_rewritten_as_planned():
     gm = MultiStreamPass(num_streams=2, verify=True)(TwoTowerRegression())
     assert stream_calls(gm) == [
-        ("fork", 2, [1], 1),
+        ("fork", 2, (1,), 1),
         # Input y is read on stream 1: its memory is marked used there.
         ("sync", -1, 1, (), ("y",)),
         # y_out's event, recorded on stream 1 as the sync leaves it; the
         # add waits on stream 0 and keeps y_out's memory for stream 0.
         ("sync", 0, 0, (0,), ("y_out",)),
-        ("join", []),
+        ("join", ()),
     ]
     order = [n.name for n in gm.graph.nodes]
     # The Y tower runs between the switch to stream 1 and the sync that

@@ -265,39 +265,39 @@ def _timings(device: torch.device) -> HostCosts:
     def fork_join():
         for _ in range(n):
             linear(x, w)
-            run = _ops.fork(2, [1], 0, probes)
+            run = _ops.fork(2, (1,), 0, probes)
             neg(x)
-            _ops.join(run, [1])
+            _ops.join(run, (1,))
             # Dropped, as a forward drops it: fork may start it again then.
             run = None
 
     def switching(keep=None):
         def body():
-            run = _ops.fork(2, [1], 0, probes)
+            run = _ops.fork(2, (1,), 0, probes)
             for i in range(n):
                 linear(x, w)
-                _ops.sync(run, -1, 1 - i % 2, [], keep)
+                _ops.sync(run, -1, 1 - i % 2, (), keep)
                 neg(x)
-            _ops.join(run, [1])
+            _ops.join(run, (1,))
 
         return body
 
     def recording():
-        run = _ops.fork(2, [1], n, probes)
+        run = _ops.fork(2, (1,), n, probes)
         for i in range(n):
             linear(x, w)
             _ops.record_event(run, i, 0)
             neg(x)
-        _ops.join(run, [1])
+        _ops.join(run, (1,))
 
     def waiting():
-        run = _ops.fork(2, [1], n, probes)
+        run = _ops.fork(2, (1,), n, probes)
         for i in range(n):
             linear(x, w)
             _ops.record_event(run, i, i % 2)
             neg(x)
-            _ops.sync(run, -1, 1 - i % 2, [i], None)
-        _ops.join(run, [1])
+            _ops.sync(run, -1, 1 - i % 2, (i,), None)
+        _ops.join(run, (1,))
 
     extra = _per_call(
         {

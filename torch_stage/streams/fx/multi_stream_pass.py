@@ -974,8 +974,15 @@ class _Rewrite(PlanWriter):
         param = next(iter(self._tensor_attributes()), None)
         if param is not None and not probes:
             probes.append(self.graph.get_attr(param))
+        # Stream lists as tuples: constants of the generated code, where a
+        # list is built and freed on every forward (TorchScript reads a
+        # tuple of ints as the ops' int[]).
         self.run_node = self._call(
-            _ops.fork, self.plan.num_streams, self.fork_streams, self.num_events, tuple(probes)
+            _ops.fork,
+            self.plan.num_streams,
+            tuple(self.fork_streams),
+            self.num_events,
+            tuple(probes),
         )
 
     def _may_hold_tensor(self, p: torch.fx.Node) -> bool:
@@ -1018,7 +1025,8 @@ class _Rewrite(PlanWriter):
         self.pending = self._call(_ops.record_event, self.run_node, e, s)
 
     def join(self, keeps: List[torch.fx.Node]) -> None:
+        streams = tuple(self.join_streams)
         if keeps:
-            self._call(_ops.join, self.run_node, self.join_streams, tuple(keeps))
+            self._call(_ops.join, self.run_node, streams, tuple(keeps))
         else:
-            self._call(_ops.join, self.run_node, self.join_streams)
+            self._call(_ops.join, self.run_node, streams)

@@ -209,12 +209,13 @@ class StreamRun : public torch::CustomClassHolder {
   }
   // Whether this run's calls go unprofiled: set by the Python fork
   // (csrc/python/stream_bindings.cpp) where no RecordFunction callback
-  // listened when it forked or restarted the run. Its calls then make no
-  // RecordFunction of their own and do not look for callbacks again (at
-  // every sync that look was a fifth of the call's instructions), so a
-  // profiler started between a run's fork and its join does not see that
-  // run's calls; the next forward's are seen. False for every other run:
-  // its calls look each time.
+  // listened when it forked or restarted the run. The inline paths there
+  // (an inactive run's calls) then make no RecordFunction and do not look
+  // for callbacks again (at every sync that look was a fifth of the call's
+  // instructions), so a profiler started between an inactive run's fork
+  // and its join does not see that run's calls; the next forward's are
+  // seen. False for every other run: its calls look each time, as an
+  // active run's do (they take the general path).
   bool unprofiled() const {
     return unprofiled_;
   }

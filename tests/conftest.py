@@ -80,6 +80,29 @@ def emulated(monkeypatch):
     torch._dynamo.reset()
 
 
+def cpu_like_costs():
+    """The stream calls' host costs as measured on this project's 2-vCPU
+    VM, for plans that must not depend on the machine's timing: a faster
+    one measured the calls at nothing (within its noise) and kept streams
+    the VM merges; a loaded one may measure them dearer than what they
+    save."""
+    from torch_stage.streams.fx.host_cost import HostCosts
+
+    return HostCosts(
+        launch_us=1.5, fork_join_us=0.3, sync_us=0.15, record_us=0.02, wait_us=0.07, keep_us=0.0
+    )
+
+
+@pytest.fixture
+def planned_with_vm_costs():
+    """Plans made in the test weigh :func:`cpu_like_costs`, not this
+    machine's measurement (a test of the default plan's shape)."""
+    from torch_stage.streams.fx.host_cost import planning_with
+
+    with planning_with(cpu_like_costs()) as costs:
+        yield costs
+
+
 @pytest.fixture
 def run_python():
     """Run a Python snippet in a fresh interpreter, bounded against hangs.

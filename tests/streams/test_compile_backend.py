@@ -490,7 +490,7 @@ class DataDependent(nn.Module):
 
 
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
-def test_data_dependent_control_flow_falls_back_to_graph_breaks(executor):
+def test_data_dependent_control_flow_falls_back_to_graph_breaks(executor, planned_with_vm_costs):
     model = DataDependent()
     backend = torch_stage.backend(num_streams=2, executor=executor)
     compiled = torch.compile(model, backend=backend)

@@ -102,7 +102,9 @@ def padding_mask(batch, length, seed=0):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_an_attention_mask_given_by_keyword_is_planned_and_equals_eager(name):
+def test_an_attention_mask_given_by_keyword_is_planned_and_equals_eager(
+    name, planned_with_vm_costs
+):
     # GPT-2 takes attention_mask after past_key_values, so it can only be
     # given by keyword; every model is called that way by its users.
     model = build(name)

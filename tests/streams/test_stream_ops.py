@@ -208,7 +208,7 @@ def test_sync_takes_waits_as_a_list_or_a_tuple_and_refuses_anything_else():
     run.join([])
 
 
-def test_fx_retracing_a_rewritten_module_records_the_ops():
+def test_fx_retracing_a_rewritten_module_records_the_ops(planned_with_vm_costs):
     rewritten = torch_stage.multi_stream(_TwoBranches(), num_streams=2)
     ours = [n.target.__name__ for n in rewritten.graph.nodes if n.target in _ops._FUNCTIONS]
     assert ours == ["fork", "sync", "sync", "join"]
@@ -613,7 +613,7 @@ def test_a_profiler_sees_the_calls_of_runs_forked_while_it_listens():
     assert names == ["torch_stage::fork", "torch_stage::join", "torch_stage::sync"]
 
 
-def test_the_profiler_sees_each_stream_op_of_an_eager_cpu_forward():
+def test_the_profiler_sees_each_stream_op_of_an_eager_cpu_forward(planned_with_vm_costs):
     rewritten = torch_stage.multi_stream(_TwoBranches(), num_streams=2)
     x = torch.randn(2, 4)
     rewritten(x)
@@ -644,7 +644,7 @@ def test_calls_the_c_functions_do_not_take_go_through_the_ops():
         ops.set_stream(script_run, 0)
 
 
-def test_a_torch_function_mode_sees_every_stream_op_of_a_forward():
+def test_a_torch_function_mode_sees_every_stream_op_of_a_forward(planned_with_vm_costs):
     # A mode active while forward runs is an override the C functions defer
     # to: fork makes the op's run, and every stream op reaches the mode.
     from torch.overrides import TorchFunctionMode

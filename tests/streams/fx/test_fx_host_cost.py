@@ -326,6 +326,25 @@ def test_an_explicit_critical_path_is_planned_as_before_whatever_the_costs():
     assert now.waits == before.waits
 
 
+def test_a_plan_the_scheduler_already_put_on_one_stream_says_why():
+    # With costs known, the scheduler charges each dependency what its
+    # calls cost the host; where that alone keeps every node on stream 0,
+    # the plan still says why and what streams would have cost.
+    dear_calls = HostCosts(
+        launch_us=1.0, fork_join_us=2.0, sync_us=4.0, record_us=3.0, wait_us=3.0, keep_us=0.5
+    )
+    x = torch.randn(2, 16)
+    with planning_with(dear_calls):
+        ms = _plan(_Chains(4, 5), x, cost_model=lambda node: 0.5)
+    plan = ms.stream_plan
+    assert plan.streams_used == [0]
+    assert plan.note.startswith("runs on one stream: the plan does not pay")
+    assert plan.estimate is not None and not plan.estimate.pays
+    assert plan.estimate.host is dear_calls
+    assert 'strategy="critical_path" keeps it' in plan.note
+    assert torch.equal(ms(x), _Chains(4, 5)(x))
+
+
 def test_a_decline_without_shapes_says_examples_would_tell():
     with planning_with(GPU_LIKE):
         plan = torch_stage.multi_stream(Branches(32), num_streams=4).stream_plan

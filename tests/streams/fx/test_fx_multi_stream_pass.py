@@ -399,7 +399,9 @@ class _FailingBranch(torch.nn.Module):
 # Without the sanitizer: its dispatch mode would raise the error from
 # torch/_ops.py rather than the generated code (and it holds the observer).
 @pytest.mark.no_sanitizer
-def test_a_forward_that_raises_finishes_its_run_and_reports_the_generated_line(capsys):
+def test_a_forward_that_raises_finishes_its_run_and_reports_the_generated_line(
+    capsys, planned_with_vm_costs
+):
     rewritten = torch_stage.multi_stream(_FailingBranch(), num_streams=2)
     plain = MultiStreamPass(num_streams=2).trace(_FailingBranch())
     assert len(rewritten.stream_plan.streams_used) == 2

@@ -352,6 +352,14 @@ class MultiStreamPass:
         # dependency then costs a branch what its calls cost the host.
         sync_cost = host.dependency_us if checked and analysis.costs_known else 0.0
         stream_plan, raw = plan(analysis, self.strategy, self.verify, sync_cost)
+        if checked and sync_cost > 0 and not raw["fork"]:
+            # The charge alone kept every node on stream 0. The plan made
+            # without it goes through the pay rule below, which declines it
+            # with a note saying what streams would cost (or finds what
+            # pays), instead of one stream without a word.
+            free_plan, free_raw = plan(analysis, self.strategy, self.verify, 0.0)
+            if free_raw["fork"]:
+                stream_plan, raw = free_plan, free_raw
         if raw["fork"]:
             if checked:
                 stream_plan, raw, issued = paying_plan(

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -144,6 +145,33 @@ std::string error_of(Fn fn) {
   }
   return "(no error)";
 }
+
+// Names a log's events by first use (e1, e2, ...), across the logs it is
+// given: the fake device numbers events process-wide and runs take them
+// from a pool that earlier tests filled, so raw ids depend on test order.
+class EventNames {
+ public:
+  Log operator()(Log log) {
+    for (auto& line : log) {
+      const auto at = line.find(" e");
+      if (at == std::string::npos) {
+        continue;
+      }
+      const auto end = line.find(' ', at + 1);
+      const std::string event = line.substr(at + 1, end - at - 1);
+      auto it = std::find(seen_.begin(), seen_.end(), event);
+      if (it == seen_.end()) {
+        it = seen_.insert(seen_.end(), event);
+      }
+      line.replace(
+          at + 1, event.size(), "e" + std::to_string(it - seen_.begin() + 1));
+    }
+    return log;
+  }
+
+ private:
+  std::vector<std::string> seen_;
+};
 
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;

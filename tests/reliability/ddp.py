@@ -3,9 +3,13 @@ torch_stage.DataLoader with a DistributedSampler ends with parameters
 bit-equal to the same job trained through torch.utils.data.DataLoader.
 
 Each job is tests/reliability/ddp_train.py under ``torchrun --standalone``
-(rendezvous and gloo on the loopback interface only), in a process group of
-its own under a hard limit: a hang prints the ranks' Python stacks (their
-faulthandler) and native stacks (gdb), then the whole job is killed.
+(rendezvous and gloo on the loopback interface only) under a hard limit: a
+hang prints the ranks' Python stacks (their faulthandler) and native stacks
+(gdb), then the whole job is killed. Its processes are known by a mark in
+the environment they inherit: torchrun starts each rank in a session of its
+own, which a process-group kill and a session scan do not reach (a rank's
+process that held the job's output open once left the harness waiting on it
+past the scenario's limit).
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 from reliability.harness import (
     HERE,
@@ -27,37 +33,62 @@ from reliability.harness import (
     native_stacks,
     scenario,
 )
+from reliability.probes import settle
 
 SCRIPT = os.path.join(HERE, "ddp_train.py")
 EXIT_SCRIPT = os.path.join(HERE, "gloo_exit.py")
 RANKS = 2
 # One torchrun job's hard limit (a healthy one takes 5-10 s).
 JOB_LIMIT_S = 120
+# The environment variable that marks a job's processes (_job_pids).
+_MARK = "TORCH_STAGE_RELIABILITY_JOB"
+KILLED_WITHIN_S = 30
+WORKERS_GONE_WITHIN_S = 10
 
 
-def _job_pids(leader: int, ranks_only: bool = False) -> list:
-    """The processes of the job's session (torchrun's agent, its ranks and
-    their DataLoader workers), or only the ranks (the agent's children)."""
+def _job_pids(mark: str) -> list:
+    """The live processes of the job marked ``mark``: torchrun's agent, its
+    ranks and their DataLoader workers. Found by the environment they all
+    inherit, not by session or parent: torchrun starts each rank in a
+    session of its own, and what outlives the job is re-parented."""
+    needle = f"{_MARK}={mark}\0".encode()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read():
+                    pids.append(int(entry))
         except OSError:
-            continue
-        # After the command's ")": state, ppid, pgrp, session, ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1] if ranks_only else fields[3]) == leader:
-            pids.append(int(entry))
+            continue  # gone, or not ours
     return sorted(pids)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # After the command's ")": state, ppid, ...
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def _kill_job(proc: subprocess.Popen, mark: str) -> None:
+    """SIGKILL every process of the job, its ranks' sessions too."""
+    kill_group(proc)
+    for pid in _job_pids(mark):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _job(args: list, cwd: str, what: str, limit_s=JOB_LIMIT_S) -> float:
     """Run torchrun on ``args`` (a script and its arguments) in ``cwd``;
     return its seconds. Fails the scenario when the job fails, hangs past
     ``limit_s`` or leaves a process behind."""
+    mark = uuid.uuid4().hex
     env = child_env(
         {
             "OMP_NUM_THREADS": "1",
@@ -65,6 +96,7 @@ def _job(args: list, cwd: str, what: str, limit_s=JOB_LIMIT_S) -> float:
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             # The ranks dump their stacks and exit a little before the limit.
             "DDP_TRAIN_LIMIT_S": str(max(10.0, limit_s - 15)),
+            _MARK: mark,
         }
     )
     command = [
@@ -91,21 +123,27 @@ def _job(args: list, cwd: str, what: str, limit_s=JOB_LIMIT_S) -> float:
     try:
         output, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
+        ranks = [pid for pid in _job_pids(mark) if _parent(pid) == proc.pid]
         stacks = "\n".join(
             f"--- rank process {pid} ---\n{native_stacks(pid, timeout_s=20)}"
-            for pid in _job_pids(proc.pid, ranks_only=True)[:RANKS]
+            for pid in ranks[:RANKS]
         )
-        kill_group(proc)
-        output, _ = proc.communicate()
+        _kill_job(proc, mark)
+        try:
+            output, _ = proc.communicate(timeout=KILLED_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            output = "(its output still open after the kill)"
         raise ScenarioFailure(
             f"{what} hung for {limit_s:.0f} s\n"
             f"--- its output ---\n{output[-8000:]}\n--- native stacks ---\n{stacks}"
         ) from None
     seconds = time.monotonic() - start
-    # A rank's worker or staging thread must not outlive the job.
-    left = _job_pids(proc.pid)
-    if left:
-        kill_group(proc)
+    # A rank's worker or staging thread must not outlive the job (a worker
+    # whose rank has ended may take a moment to see it).
+    left = []
+    if settle(lambda: not _job_pids(mark), WORKERS_GONE_WITHIN_S) < 0:
+        left = _job_pids(mark)
+        _kill_job(proc, mark)
     check(proc.returncode == 0, f"{what} exited with {proc.returncode}:\n{output[-8000:]}")
     check(not left, f"processes {left} of {what} outlived it")
     return seconds

@@ -113,11 +113,18 @@ def main():
         torch.save({"params": params, "ranks": ranks}, out)
     dist.barrier()
     dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
+    # Ended here, the watchdog still armed, while main's locals still hold
+    # the model: freeing it frees DDP's reducer and, with it, the last
+    # reference to the process group. ~ProcessGroupGloo, run with the GIL
+    # held, takes the group's work lock while its worker thread, holding
+    # that lock, waits for the GIL to free the barrier's work (a tensor
+    # all_gather_object made): a rank of make torture hung there for good
+    # (pytorch/pytorch#56297: the group's own Python binding drops the GIL
+    # first, the reducer's destructor does not).
+    # And not through interpreter finalization, which a gloo worker thread
+    # still freeing a work can abort (see rank_exit).
+    end_rank()
 
 
 if __name__ == "__main__":
     main()
-    # Not through interpreter finalization, which a gloo worker thread still
-    # freeing a work can abort (see rank_exit).
-    end_rank()

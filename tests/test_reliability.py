@@ -68,7 +68,7 @@ def _processes_naming(token):
         ("stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", "outlived it"),
         # The job's output, inherited: the job's output stays open until it
         # is killed (the harness used to wait for that forever).
-        ("", "hung for 20 s"),
+        ("", "hung for 15 s"),
     ],
     ids=["own_output", "jobs_output"],
 )
@@ -78,7 +78,7 @@ def test_a_process_a_rank_leaves_behind_fails_the_job_and_is_killed(tmp_path, ou
 
     script = _DETACHED_CHILD.replace("**{}", output or "**{}")
     with pytest.raises(ScenarioFailure, match=error):
-        ddp._job([_rank_script(tmp_path, script)], str(tmp_path), "the job", 20)
+        ddp._job([_rank_script(tmp_path, script)], str(tmp_path), "the job", 15)
     assert settle(lambda: not _processes_naming(str(tmp_path)), 10) >= 0
 
 
@@ -87,7 +87,7 @@ def test_a_hung_rank_is_reported_with_its_stack_and_killed(tmp_path):
     from reliability import ddp
     from reliability.harness import ScenarioFailure
 
-    with pytest.raises(ScenarioFailure, match="hung for 15 s") as failed:
-        ddp._job([_rank_script(tmp_path, _HUNG_RANK)], str(tmp_path), "the job", 15)
+    with pytest.raises(ScenarioFailure, match="hung for 20 s") as failed:
+        ddp._job([_rank_script(tmp_path, _HUNG_RANK)], str(tmp_path), "the job", 20)
     assert str(failed.value).count("--- rank process") == ddp.RANKS
     assert settle(lambda: not _processes_naming(str(tmp_path)), 10) >= 0

@@ -80,7 +80,7 @@ def emulated(monkeypatch):
     torch._dynamo.reset()
 
 
-def cpu_like_costs():
+def vm_costs():
     """The stream calls' host costs as measured on this project's 2-vCPU
     VM, for plans that must not depend on the machine's timing: a faster
     one measured the calls at nothing (within its noise) and kept streams
@@ -95,11 +95,11 @@ def cpu_like_costs():
 
 @pytest.fixture
 def planned_with_vm_costs():
-    """Plans made in the test weigh :func:`cpu_like_costs`, not this
+    """Plans made in the test weigh :func:`vm_costs`, not this
     machine's measurement (a test of the default plan's shape)."""
     from torch_stage.streams.fx.host_cost import planning_with
 
-    with planning_with(cpu_like_costs()) as costs:
+    with planning_with(vm_costs()) as costs:
         yield costs
 
 

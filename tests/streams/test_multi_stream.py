@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import caller_stream, cpu_like_costs
+from conftest import caller_stream, vm_costs
 from stream_oracle import with_side_stream_delays
 from torch import nn
 from zoo import ZOO, build
@@ -107,7 +107,7 @@ def test_by_default_a_branch_that_ends_before_the_longest_shares_a_stream(verifi
     with planning_with(HostCosts.free()):
         free = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4).stream_plan
     assert len({free.assignment[n] for n in ("b1", "b2", "b3_b", "b4")}) == 4
-    with planning_with(cpu_like_costs()):
+    with planning_with(vm_costs()):
         plan = torch_stage.multi_stream(build(ENTRIES["inception"]), num_streams=4).stream_plan
     assert plan.strategy == "min_sync"
     assert plan.assignment["b1"] == plan.assignment["b2"] == 0

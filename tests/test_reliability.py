@@ -32,7 +32,7 @@ def test_scenario(name):
 _DETACHED_CHILD = """
 import os, subprocess, sys
 if os.environ["RANK"] == "0":
-    subprocess.Popen([sys.executable, __file__ + ".child"], start_new_session=True, **{})
+    subprocess.Popen([sys.executable, __file__ + ".child"], start_new_session=True{output})
 """
 
 _HUNG_RANK = """
@@ -65,7 +65,7 @@ def _processes_naming(token):
     "output, error",
     [
         # Its own output: the job ends, and the process is found after it.
-        ("stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", "outlived it"),
+        (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", "outlived it"),
         # The job's output, inherited: the job's output stays open until it
         # is killed (the harness used to wait for that forever).
         ("", "hung for 15 s"),
@@ -76,7 +76,7 @@ def test_a_process_a_rank_leaves_behind_fails_the_job_and_is_killed(tmp_path, ou
     from reliability import ddp
     from reliability.harness import ScenarioFailure
 
-    script = _DETACHED_CHILD.replace("**{}", output or "**{}")
+    script = _DETACHED_CHILD.format(output=output)
     with pytest.raises(ScenarioFailure, match=error):
         ddp._job([_rank_script(tmp_path, script)], str(tmp_path), "the job", 15)
     assert settle(lambda: not _processes_naming(str(tmp_path)), 10) >= 0

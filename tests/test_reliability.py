@@ -1,8 +1,6 @@
 """The reliability suite's quick profile (tests/reliability/, `make torture`
 for the full one): each scenario in a process of its own, as run.py runs it."""
 
-import os
-
 import pytest
 from reliability import load_scenarios
 from reliability.harness import SCENARIOS, run_scenario, timeout_for
@@ -49,15 +47,9 @@ def _rank_script(tmp_path, text):
 
 
 def _processes_naming(token):
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
+    from reliability.ddp import processes_whose
+
+    return processes_whose("cmdline", token.encode())
 
 
 @pytest.mark.timeout(120)

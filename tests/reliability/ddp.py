@@ -46,23 +46,28 @@ KILLED_WITHIN_S = 30
 WORKERS_GONE_WITHIN_S = 10
 
 
-def _job_pids(mark: str) -> list:
-    """The live processes of the job marked ``mark``: torchrun's agent, its
-    ranks and their DataLoader workers. Found by the environment they all
-    inherit, not by session or parent: torchrun starts each rank in a
-    session of its own, and what outlives the job is re-parented."""
-    needle = f"{_MARK}={mark}\0".encode()
+def processes_whose(proc_file: str, part: bytes) -> list:
+    """The live processes whose ``/proc/PID/<proc_file>`` (``environ``,
+    ``cmdline``) holds ``part``, of those this user may read."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read():
+            with open(f"/proc/{entry}/{proc_file}", "rb") as f:
+                if part in f.read():
                     pids.append(int(entry))
         except OSError:
             continue  # gone, or not ours
     return sorted(pids)
+
+
+def _job_pids(mark: str) -> list:
+    """The live processes of the job marked ``mark``: torchrun's agent, its
+    ranks and their DataLoader workers. Found by the environment they all
+    inherit, not by session or parent: torchrun starts each rank in a
+    session of its own, and what outlives the job is re-parented."""
+    return processes_whose("environ", f"{_MARK}={mark}\0".encode())
 
 
 def _parent(pid: int) -> int:

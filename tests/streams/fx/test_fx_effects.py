@@ -847,3 +847,102 @@ def test_module_state_orders_only_what_touches_the_written_storage(write):
     assert races == [], [str(r) for r in races]
     with torch.no_grad():
         assert torch.equal(out, eager(x))
+
+
+# A user's function or leaf module is not run at planning time (it may do
+# anything), so what it writes is unknown: it may write every tensor it is
+# given. Taking it to write nothing let another stream read its argument
+# while it wrote it (found by trying the pass as a new user would).
+@torch.fx.wrap
+def _users_in_place(t):
+    t.add_(1)
+    return t.sum()
+
+
+class _UsersFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        base = x * 1
+        h = self.a(base)
+        s = _users_in_place(base)
+        g = self.b(base)
+        return h + g + s
+
+
+class _Writer(torch.nn.Module):
+    def forward(self, t):
+        t.mul_(0.5)
+        return t.sum()
+
+
+class _UsersModule(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.w = _Writer()
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        base = x * 1
+        return self.a(base) + self.w(base) + self.b(base)
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, _Writer) or super().is_leaf_module(m, qualname)
+
+
+def _users_module_graph():
+    root = _UsersModule()
+    return torch.fx.GraphModule(root, _LeafTracer().trace(root))
+
+
+@pytest.mark.parametrize("build", [_UsersFunction, _users_module_graph], ids=["function", "module"])
+@pytest.mark.parametrize("strategy", ["min_sync", "critical_path"])
+@pytest.mark.parametrize("examples", [False, True], ids=["", "examples"])
+@pytest.mark.own_sanitizer
+def test_a_users_function_or_leaf_module_may_write_its_arguments(build, strategy, examples):
+    torch.manual_seed(0)
+    module = build()
+    x = torch.randn(2, 8)
+    expected = module(x.clone())
+    kwargs = {"example_inputs": (x.clone(),)} if examples else {}
+    model = torch_stage.multi_stream(module, num_streams=2, strategy=strategy, **kwargs)
+    with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
+        out = model(x.clone())
+    assert sanitizer.races == []
+    torch.testing.assert_close(out, expected)
+
+
+class _WritesAnInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        y.mul_(2)
+        return h + self.b(y)
+
+
+@pytest.mark.parametrize("strategy", ["min_sync", "critical_path"])
+@pytest.mark.own_sanitizer
+def test_a_write_to_an_input_is_ordered_after_reads_of_inputs_it_may_alias(strategy):
+    # The caller may pass one tensor as both inputs: nothing at planning
+    # time says they are distinct.
+    torch.manual_seed(0)
+    module = _WritesAnInput()
+    t = torch.randn(2, 8)
+    same = t.clone()
+    expected = module(same, same)
+    model = torch_stage.multi_stream(module, num_streams=2, strategy=strategy)
+    same = t.clone()
+    with torch_stage.sanitize_streams(raise_on_race=False) as sanitizer:
+        out = model(same, same)
+    assert sanitizer.races == []
+    torch.testing.assert_close(out, expected)

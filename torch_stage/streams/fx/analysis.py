@@ -70,7 +70,9 @@ from torch_stage.streams.fx.cost_model import default_cost, is_view
 from torch_stage.streams.fx.effects import (
     aliased_args,
     draws_random,
+    known_effects,
     probe_cache,
+    user_callable_args,
     writes_module_state,
     written_args,
 )
@@ -297,6 +299,10 @@ class GraphAnalysis:
             module = self.gm.get_submodule(n.target)
             if getattr(module, "inplace", False) is True and n.args:
                 found.append(n.args[0])
+            elif not known_effects(n, self.gm):
+                # A user's leaf module is not run at planning time: it may
+                # write any tensor it is given (fx/effects.py).
+                found.extend(user_callable_args(n))
         elif n.op in ("call_function", "call_method"):
             # From the ATen schemas of what the node runs (fx/effects.py).
             found.extend(_flat_nodes(written_args(n, self.gm)))
@@ -379,6 +385,14 @@ class GraphAnalysis:
             if n.op == "get_attr":
                 key = _attribute_storage(self.gm, n.target)
                 families.union(self._storage_element(families, key), self.position[n])
+        # The caller may pass one tensor (or views of one) as two inputs:
+        # nothing at planning time says they are distinct, so where the
+        # graph writes an input, every input is taken to be what it writes.
+        inputs = [self.position[n] for n in self.nodes if n.op == "placeholder"]
+        written = {families.find(self.position[t]) for ts in self.mutated.values() for t in ts}
+        if any(families.find(p) in written for p in inputs):
+            for p in inputs[1:]:
+                families.union(inputs[0], p)
         return families
 
     def _storage_element(self, families: _UnionFind, key: Any) -> int:

@@ -54,6 +54,7 @@ __all__ = [
     "known_effects",
     "probe_cache",
     "understated_writes",
+    "user_callable_args",
     "writes_module_state",
     "written_args",
 ]
@@ -68,6 +69,10 @@ def written_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
         return []
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         found = _by_schemas([n.target._schema], n.args, n.kwargs)
+    elif n.op == "call_function" and not _probe_safe(n) and not known_effects(n, root):
+        # A user's function (torch.fx.wrap) is not run at planning time and
+        # no schema speaks for it: it may write any tensor it is given.
+        return user_callable_args(n)
     else:
         found = _probe(n, root) if _probe_safe(n) else None
         if found is None:
@@ -76,6 +81,17 @@ def written_args(n: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> Li
             found = [n.args[0]]
     for value in _running_stats(n):
         if not any(value is f for f in found):
+            found.append(value)
+    return found
+
+
+def user_callable_args(n: torch.fx.Node) -> List[torch.fx.Node]:
+    """The nodes among ``n``'s arguments, keyword arguments and their
+    lists: what a user's function or leaf module, whose effects nothing at
+    planning time can tell, is taken to write."""
+    found: List[torch.fx.Node] = []
+    for value in tree_flatten((n.args, n.kwargs))[0]:
+        if isinstance(value, torch.fx.Node) and value not in found:
             found.append(value)
     return found
 

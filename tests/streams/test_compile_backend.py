@@ -76,6 +76,25 @@ def test_backend_name_works_without_importing_torch_stage(run_python):
     assert proc.stdout.strip().endswith("ok")
 
 
+def test_importing_torch_stage_leaves_dynamo_and_the_environment_alone(run_python):
+    # torch.compiler.disable on three functions imported Dynamo and with it
+    # inductor's configuration, which set TORCHINDUCTOR_CACHE_DIR in the
+    # environment every child process inherits (and cost a second).
+    proc = run_python(
+        """
+        import os, sys
+        import torch
+        before = dict(os.environ)
+        import torch_stage
+        print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+        model = torch_stage.multi_stream(torch.nn.Linear(4, 4), num_streams=2)
+        model(torch.randn(2, 4))
+        print(sorted(set(os.environ.items()) ^ set(before.items())))
+        """
+    )
+    assert proc.stdout.split("\n")[:2] == ["[]", "[]"], proc.stdout
+
+
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
 def test_backend_objects_are_backends_and_record_their_plans(executor):
     entry = ENTRIES["inception"]
@@ -202,6 +221,7 @@ def test_bad_executor_and_mode_combinations_are_named(options, error, message):
         ({"warmup": 0}, ValueError, "warmup must be >= 1, got 0"),
         ({"cuda_graphs": "yes"}, TypeError, "cuda_graphs must be a bool, got str"),
         ({"cost_model": 3}, TypeError, "cost_model must be callable"),
+        ({"verify": "no"}, TypeError, "verify must be a bool or None, got str"),
     ],
 )
 def test_bad_option_values_are_named(options, error, message):
@@ -474,6 +494,36 @@ def test_other_backends_ignore_the_annotations():
 
 
 # -- graph breaks ----------------------------------------------------------
+
+
+class BreakInsideAnnotations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch_stage.stream(1):
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            g = self.b(h)
+        with torch_stage.colocate_with(g):
+            torch._dynamo.graph_break()
+            g = g * 2
+        return g
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor", "torch_stage"])
+def test_a_graph_break_inside_an_annotation_runs_as_eager_does(backend):
+    # Dynamo cannot resume inside a torch.fx.traceback.annotate block and
+    # runs such a frame eagerly; the stream() and colocate_with() calls in
+    # it were then compiled as frames of their own and handed back a
+    # function where the block needs a context manager (TypeError).
+    model = BreakInsideAnnotations()
+    x = torch.randn(2, 8)
+    compiled = torch.compile(model, backend=backend)
+    torch.testing.assert_close(compiled(x), model(x))
+    torch.testing.assert_close(compiled(x), model(x))
 
 
 class DataDependent(nn.Module):

@@ -21,6 +21,7 @@ import torch
 
 from torch_stage import _C
 from torch_stage._checks import is_int
+from torch_stage.streams._frames import skip_frames
 
 #: The most streams a pool may have (counting the caller's): PyTorch's CUDA
 #: pool hands out 32 streams per priority round robin, so a 33rd would alias
@@ -323,6 +324,15 @@ def colocate_with(x: Union[torch.Tensor, torch.fx.Proxy, torch.fx.Node]):
             f"while tracing) or a torch.fx.Node, got {type(x).__name__}"
         )
     return ColocateAnnotation(anchor)
+
+
+# Dynamo compiles every frame that a frame it runs eagerly calls. It runs
+# eagerly a frame with a graph break inside an annotation block (it cannot
+# resume inside torch.fx.traceback.annotate), and then compiled stream() and
+# colocate_with() by themselves: their compiled result, the annotate block,
+# came back as a function (torch 2.13), a TypeError at the `with`. Inside a
+# frame Dynamo traces they are still inlined.
+skip_frames(stream, colocate_with)
 
 
 def _check_num_streams(num_streams) -> int:

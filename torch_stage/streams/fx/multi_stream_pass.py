@@ -141,7 +141,11 @@ class MultiStreamPass:
         self.example_kwargs = example_kwargs
         if verify is None:
             verify = os.environ.get(VERIFY_ENV, "0") == "1"
-        self.verify = bool(verify)
+        elif not isinstance(verify, bool):
+            raise TypeError(
+                f"verify must be a bool or None, got {type(verify).__name__} ({verify!r})"
+            )
+        self.verify = verify
 
     def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, torch.fx.GraphModule):

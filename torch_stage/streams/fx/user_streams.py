@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from torch_stage.streams._frames import skip_frames
 from torch_stage.streams.fx.classify import ALIAS
 from torch_stage.streams.fx.writer import PlanWriter
 
@@ -88,10 +89,10 @@ def _device(device_type: str, device_index: int) -> torch.device:
 
 # The three functions below run before every call of a compiled graph (the
 # side table's constructors): Dynamo must not trace them, or each would
-# become a graph of its own, recompiled for every stream and event number.
+# become a graph of its own, recompiled for every stream and event number
+# (skip_frames below, as torch.compiler.disable but without importing Dynamo).
 
 
-@torch.compiler.disable
 def side_stream(device_type: str, device_index: int, k: int) -> torch.Stream:
     """Side stream ``k`` (>= 1) of torch_stage's pool on the device, as a
     ``torch.Stream``. On a device without streams, a stand-in object per
@@ -113,7 +114,6 @@ def side_stream(device_type: str, device_index: int, k: int) -> torch.Stream:
     return found
 
 
-@torch.compiler.disable
 def current_stream(device_type: str, device_index: int) -> torch.Stream:
     """The calling thread's current stream on the device (a fixed stand-in
     on a device without streams)."""
@@ -128,7 +128,6 @@ def current_stream(device_type: str, device_index: int) -> torch.Stream:
     return found
 
 
-@torch.compiler.disable
 def pooled_event(device_type: str, device_index: int, slot: Any) -> torch.Event:
     """This thread's event ``slot`` for the device, made once."""
     pool = getattr(_events, "pool", None)
@@ -139,6 +138,9 @@ def pooled_event(device_type: str, device_index: int, slot: Any) -> torch.Event:
     if found is None:
         found = pool[key] = torch.Event(_device(device_type, device_index))
     return found
+
+
+skip_frames(side_stream, current_stream, pooled_event, nested=True)
 
 
 # -- Dynamo's side table ------------------------------------------------------

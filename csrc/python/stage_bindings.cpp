@@ -111,7 +111,6 @@ class PyStageWork final : public StageWork {
         closed_types_(std::move(closed_types)),
         ignored_types_(std::move(ignored_types)),
         flatten_(helpers.attr("flatten")),
-        check_structure_(helpers.attr("StructureChecker")()),
         on_skip_(helpers.attr("on_skip")),
         nbytes_(helpers.attr("nbytes")),
         flatten_for_device_(flatten_for_device) {}
@@ -179,9 +178,7 @@ class PyStageWork final : public StageWork {
     Gil gil(gil_wait_ns_);
     try {
       PyPayload& payload = payload_of(item);
-      py::object out = transform_(payload.obj);
-      check_structure_(out, item.index);
-      payload.obj = std::move(out);
+      payload.obj = transform_(payload.obj);
       return Outcome::kItem;
     } catch (py::error_already_set& e) {
       return classify(e, item.index, item);
@@ -288,7 +285,7 @@ class PyStageWork final : public StageWork {
     return Outcome::kError;
   }
 
-  std::array<py::object*, 10> python_objects() {
+  std::array<py::object*, 9> python_objects() {
     return {
         &source_,
         &iterator_,
@@ -297,7 +294,6 @@ class PyStageWork final : public StageWork {
         &closed_types_,
         &ignored_types_,
         &flatten_,
-        &check_structure_,
         &on_skip_,
         &nbytes_};
   }
@@ -311,7 +307,6 @@ class PyStageWork final : public StageWork {
   py::tuple closed_types_;
   py::tuple ignored_types_;
   py::object flatten_;
-  py::object check_structure_; // a _pytree.StructureChecker
   py::object on_skip_;
   py::object nbytes_;
   const bool flatten_for_device_;

@@ -199,11 +199,62 @@ def test_batches_arrive_on_the_device(device):
     assert ours.stats()["consumed"] == len(ours)
 
 
+LOADERS = [
+    pytest.param(tud.DataLoader, id="plain"),
+    pytest.param(torch_stage.DataLoader, id="torch_stage"),
+]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cls", LOADERS)
+def test_a_prefetch_hook_inside_an_epoch_leaves_the_loader_alone(cls, num_workers):
+    # A validation pass staged under its own hook, in the middle of a
+    # training epoch: the hook owns the validation stage only.
+    train = cls(
+        list(range(20)), batch_size=4, num_workers=num_workers, persistent_workers=num_workers > 0
+    )
+    got = []
+    for step, batch in enumerate(train):
+        got.append(batch.tolist())
+        if step == 1:
+            with torch_stage.make_prefetch_hook():
+                assert len(list(torch_stage.staged([torch.ones(2)] * 3))) == 3
+    assert got == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    assert len(list(train)) == 5
+
+
+class Recorded(tud.Dataset):
+    def __init__(self):
+        self.read = []
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return i
+
+
+@pytest.mark.parametrize("cls", LOADERS)
+def test_a_loader_iterated_inside_a_prefetch_hook_is_not_primed_by_it(cls):
+    # As with the plain class, the first batch is made in the first next();
+    # the loader's stage is its iterator's, never the hook's.
+    dataset = Recorded()
+    with torch_stage.make_prefetch_hook():
+        loader = cls(dataset, batch_size=2)
+        it = iter(loader)
+        assert dataset.read == []
+        assert next(it).tolist() == [0, 1]
+    assert [b.tolist() for b in it] == [[2, 3], [4, 5], [6, 7]]
+
+
 def test_bad_staging_arguments_fail_at_construction():
     with pytest.raises(ValueError, match=r"capacity must be >= 1 \(or None: auto-tuned\), got 0"):
         torch_stage.DataLoader(Squares(), capacity=0)
     with pytest.raises(ValueError, match="does not exist"):
         torch_stage.DataLoader(Squares(), device="cuda:9")
+    with pytest.raises(ValueError, match="name must be a non-empty str, got ''"):
+        torch_stage.DataLoader(Squares(), name="")
     with pytest.raises(ValueError, match="num_workers"):
         torch_stage.DataLoader(Squares(), num_workers=-1)
     with pytest.raises(ValueError, match="not a torch_stage.DataLoader state"):
@@ -220,7 +271,8 @@ def test_bad_staging_arguments_fail_at_construction():
         ("stage_subgraph_stream_id", -1, ValueError, "stage_subgraph_stream_id must be in"),
         ("transform", 3, TypeError, "transform must be callable"),
         ("device", "cuda:9", ValueError, "does not exist"),
-        ("name", 3, TypeError, "name must be a non-empty str"),
+        ("name", 3, TypeError, r"name must be a str \(or None\), got int"),
+        ("name", "", ValueError, "name must be a non-empty str, got ''"),
     ],
 )
 def test_a_bad_staging_option_fails_at_assignment(key, value, error, text):

@@ -840,10 +840,12 @@ def _outside_accelerate_stacklevel(frame) -> int:
 def _check_staging_options(options: dict) -> None:
     """Raises what staged() raises for these staging options (a name of
     None is the loader's default)."""
+    name = options.get("name")
     staged(
         (),
         **{k: v for k, v in options.items() if k != "name"},
-        name=options.get("name") or "dataloader",
+        name="dataloader" if name is None else name,
+        _internal=True,
     ).close()
 
 
@@ -920,7 +922,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             error in ``collate_fn``; its warnings are raised in that
             ``next()`` too. Batches may come out of it with any structure,
             as from a ``collate_fn`` (a short last batch carries shorter
-            lists); ``staged()`` holds its items to the first one's.
+            lists), as with ``staged()``.
         timeout_millis: how long the training loop waits for a batch before
             ``StageTimeoutError`` (the plain ``timeout`` still bounds workers;
             a batch the loop makes itself, when auto-tuning chose no staging
@@ -1194,7 +1196,7 @@ class DataLoader(torch.utils.data.DataLoader[_T_co]):
             _min_threads=0,
             _initial_threads=0,
             _tuning_memory=self._next_tuning_memory() if autotune else None,
-            _any_structure=True,
+            _internal=True,
             # A failed copy to `device` raises at its batch and the epoch
             # goes on, as the plain DataLoader does after pin_memory fails.
             _item_errors=True,

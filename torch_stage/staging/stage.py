@@ -7,6 +7,7 @@ import atexit
 import collections
 import contextlib
 import copy
+import ctypes
 import itertools
 import operator
 import os
@@ -29,7 +30,10 @@ _MAX_STREAMS = _C._MAX_STREAMS
 _names = itertools.count()
 _creation = itertools.count()
 _live: weakref.WeakSet[Stage] = weakref.WeakSet()
-_hooks: list = []  # stage lists of the active make_prefetch_hook contexts
+# Per thread: the stage lists of its active make_prefetch_hook blocks,
+# innermost last. A hook owns what its own thread makes in its block: a
+# stage made on another thread belongs to that thread's code.
+_hooks = threading.local()
 _registry_lock = threading.Lock()
 # How long close() waits for a producer stuck in user code before leaving it.
 _JOIN_TIMEOUT_MS = 10_000
@@ -66,14 +70,30 @@ def _check_device(device) -> Optional[torch.device]:
     if dev.type == "cpu":
         return dev
     module = getattr(torch, dev.type, None)
-    available = module is not None and getattr(module, "is_available", lambda: False)()
-    count = module.device_count() if available else 0
+    if not (callable(getattr(module, "is_available", None)) and hasattr(module, "device_count")):
+        # Not an accelerator (meta, mkldnn, ...): nothing to copy items to.
+        raise ValueError(
+            f"device {device!r} is not one to stage to: its type must be "
+            f"{_staging_device_types()} (the CPU, or this machine's accelerator), "
+            f"got {dev.type!r}"
+        )
+    count = module.device_count() if module.is_available() else 0
     index = dev.index if dev.index is not None else 0
     if index >= count:
         raise ValueError(
-            f"device {device!r} does not exist: {count} {dev.type} device(s) are visible"
+            f"device {device!r} does not exist: {count} {dev.type} device(s) are visible "
+            f"(device types to stage to here: {_staging_device_types()})"
         )
     return dev
+
+
+def _staging_device_types() -> str:
+    types = ["cpu"]
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is not None:
+        types.append(current.type)
+    return " or ".join(repr(t) for t in types)
 
 
 class Stage:
@@ -95,10 +115,14 @@ class Stage:
         self._ordered = _options["ordered"] or _options["num_threads"] == 1
         self._resume_kind = None if _options["call_source"] else _resume_kind(source)
         self._source_type = type(source).__name__
+        # A generator, for _close_all (_keep_if_running).
+        self._generator = source if hasattr(source, "gi_running") else None
         self._cursor: Optional[_Cursor] = None
         _options = dict(_options)
-        any_structure = _options.pop("any_structure", False)
-        helpers = _pytree
+        # A DataLoader's stages are its iterators' (made and closed by them):
+        # never a hook's to prime or close.
+        self._thread = None if _options.pop("internal") else threading.current_thread()
+        helpers = _pytree.Helpers
         if self._resume_kind is not None:
             # Resumable: items travel tagged with their source position (see
             # _Cursor), so the state counts exactly what consumers received.
@@ -107,9 +131,6 @@ class Stage:
             transform = _options["transform"]
             if transform is not None:
                 _options = dict(_options, transform=_tagged(transform))
-                helpers = _pytree.TaggedHelpers
-        if any_structure:
-            helpers = _pytree.AnyStructureHelpers
         self._impl = _C._Stage(
             source=source,
             helpers=helpers,
@@ -119,10 +140,9 @@ class Stage:
         )
         with _registry_lock:
             _live.add(self)
-            hook = _hooks[-1] if _hooks else None
-            if hook is not None:
-                hook.append(self)
-        if hook is not None:
+        hooks = _hook_stack() if self._thread is not None else None
+        if hooks:
+            hooks[-1].append(self)
             self._prime()
 
     @property
@@ -535,7 +555,7 @@ def staged(
     _min_threads: Optional[int] = None,
     _initial_threads: Optional[int] = None,
     _tuning_memory: Optional[dict] = None,
-    _any_structure: bool = False,
+    _internal: bool = False,
     _item_errors: bool = False,
 ) -> Stage:
     """Produce the items of ``source`` ahead of the consumer, in C++ threads.
@@ -623,7 +643,8 @@ def staged(
             non-blocking copy, the source must not write into a tensor it
             yielded. None: no copy.
         transform: per-item work, run by the producer threads in parallel.
-            Every item must come out with the structure of the first.
+            Items may come out of it with any structure, each its own (as
+            from a ``collate_fn``: a short last batch carries shorter lists).
         ordered: deliver in source order even with several threads (True) or
             as items finish (False).
         put_timeout_millis: opt-in DeepRec behaviour: a producer that waits
@@ -647,6 +668,8 @@ def staged(
         check_int("num_threads", num_threads, 1, ">= 1 (or None: auto-tuned)", MAX_STAGE_THREADS)
     if not isinstance(autotune, bool):
         raise TypeError(f"autotune must be a bool, got {autotune!r}")
+    if not isinstance(ordered, bool):
+        raise TypeError(f"ordered must be a bool, got {ordered!r}")
     # A bound on waiting asks for the items to be made where the consumer
     # does not wait for itself: by a thread, always.
     bounded = timeout_millis is not None
@@ -692,8 +715,10 @@ def staged(
         check_int("put_timeout_millis", put_timeout_millis, 1, ">= 1 (or None)")
     if name is None:
         name = f"stage_{next(_names)}"
-    elif not isinstance(name, str) or not name:
-        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    elif not isinstance(name, str):
+        raise TypeError(f"name must be a str (or None), got {type(name).__name__}")
+    elif not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
     if transform is not None and not callable(transform):
         raise TypeError(f"transform must be callable, got {type(transform).__name__}")
     if feed_dict is not None:
@@ -718,12 +743,12 @@ def staged(
             name=name,
             num_clients=num_clients,
             timeout_ms=timeout_millis,
-            ordered=bool(ordered),
+            ordered=ordered,
             pool_id=pool_index,
             device=dev,
             stream_id=stage_subgraph_stream_id,
             put_timeout_ms=put_timeout_millis,
-            any_structure=bool(_any_structure),
+            internal=bool(_internal),
             item_errors=bool(_item_errors),
             **tuning,
         ),
@@ -830,29 +855,46 @@ def add_stage_thread_pool(
     return _C._add_stage_thread_pool(inter_op_threads, intra_op_threads, global_name) - 1
 
 
+def _hook_stack() -> list:
+    stack = getattr(_hooks, "stack", None)
+    if stack is None:
+        stack = _hooks.stack = []
+    return stack
+
+
 @contextlib.contextmanager
 def make_prefetch_hook():
-    """Start stages eagerly, primed, and stop them on exit.
+    """Start stages eagerly, primed, and close on exit those made inside.
 
-    Every open stage made before entering, and every stage made inside, is
-    started and primed with one item (the warm-up of TensorFlow's staged
-    input pipeline: the first step finds its input ready), made here where
-    no producer thread is at work (auto-tuning starts with none), in creation
-    order so that an upstream stage primes before the stages that read it.
-    On exit all of them are closed and their threads joined. Stages also
-    start on first use without the hook, so forgetting it never hangs.
+    On entering, the open stages this thread made with :func:`staged`
+    before are started and primed with one item (the warm-up of
+    TensorFlow's staged input pipeline: the first step finds its input
+    ready); so is every stage this thread makes inside the block, as it is
+    made. Items are made here where no producer thread is at work
+    (auto-tuning starts with none), in creation order so that an upstream
+    stage primes before the stages that read it. On exit the hook closes
+    the stages made inside its block (not those of an enclosing hook's
+    block) and joins their threads; stages made before it go on, for the
+    code that made them to close. Stages of other threads, and the stages
+    of a :class:`~torch_stage.DataLoader`'s iterators, are never the
+    hook's. Stages also start on first use without the hook, so forgetting
+    it never hangs.
     """
+    me = threading.current_thread()
     with _registry_lock:
-        stages = sorted((s for s in _live if not s._impl.closed), key=lambda s: s._order)
-        mine = list(stages)
-        _hooks.append(mine)
+        earlier = sorted(
+            (s for s in _live if s._thread is me and not s._impl.closed), key=lambda s: s._order
+        )
+    stack = _hook_stack()
+    mine: list = []
+    stack.append(mine)
     try:
-        for stage in stages:
+        for stage in earlier:
             stage._prime()
         yield
     finally:
-        with _registry_lock:
-            _hooks.remove(mine)
+        # By identity: the lists of two hooks with no stages yet are equal.
+        del stack[next(i for i, hook in enumerate(stack) if hook is mine)]
         for stage in mine:
             stage.close()
 
@@ -882,3 +924,14 @@ def _close_all() -> None:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             # Quietly: the process is going, and the producer with it.
             impl.close(join_timeout_ms=left_ms, warn_if_left=False)
+            _keep_if_running(getattr(stage, "_generator", None))
+
+
+def _keep_if_running(source) -> None:
+    # A generator's frame holds no reference to the generator, so a
+    # producer left inside one does not keep it alive: finalization would
+    # free it and close() it under that thread ("generator already
+    # executing"). A daemon thread inside a generator keeps it through its
+    # own frame until the process ends; this reference stands for that.
+    if getattr(source, "gi_running", False):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(source))

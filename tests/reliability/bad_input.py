@@ -131,7 +131,10 @@ MATRIX: List[Case] = [
     case("staged([1, 2], ignored_exception_types='ValueError')", T, "'ValueError'"),
     case("staged([1, 2], ignored_exception_types=(KeyError, 3))", T, "got 3"),
     # -- other staged() arguments and Stage state
-    case("staged([1, 2], name='')", T, "name", "''"),
+    case("staged([1, 2], name='')", V, "name", "''"),
+    case("staged([1, 2], name=3)", T, "name", "int"),
+    case("staged([1, 2], ordered='no')", T, "ordered", "'no'"),
+    case("staged([1, 2], device='meta')", V, "device", "'meta'"),
     case("staged([1, 2], transform=5)", T, "transform", "int"),
     case("staged(5)", T, "source", "int"),
     case("staged(lambda: 1, feed_dict={1: 2})", T, "feed_dict", "{1: 2}"),

@@ -493,6 +493,31 @@ def test_other_backends_ignore_the_annotations():
     assert torch.equal(compiled(x), model(x))
 
 
+class BatchNormTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+
+    def forward(self, x, y):
+        return self.a(x) + self.b(y)
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_batch_norm_in_training_keeps_independent_towers_apart(executor):
+    # Dynamo's parameters and buffers are graph inputs, and batch norm in
+    # training writes two of them: taking every input to alias a written
+    # one (right for multi_stream's own inputs, which Dynamo dedupes) chained
+    # the towers through their running statistics.
+    backend = torch_stage.backend(num_streams=2, strategy="min_sync", executor=executor)
+    model = BatchNormTowers().train()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    expected = copy.deepcopy(model)(x, y)
+    torch.testing.assert_close(torch.compile(model, backend=backend)(x, y), expected)
+    (plan,) = backend.plans
+    assert plan.cross_stream_edges == 1, plan  # the towers meet at the sum alone
+
+
 # -- graph breaks ----------------------------------------------------------
 
 

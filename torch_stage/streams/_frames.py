@@ -19,7 +19,7 @@ __all__ = ["skip_frames"]
 def skip_frames(*functions: Callable, nested: bool = False) -> None:
     """Dynamo never compiles a frame of ``functions`` (nor, with ``nested``,
     the frames they call, as ``torch.compiler.disable`` would). On a torch
-    without frame strategies (< 2.6) nothing changes."""
+    whose ``torch._C._dynamo`` has no frame strategies nothing changes."""
     try:
         from torch._C._dynamo import eval_frame
 

@@ -388,7 +388,14 @@ class GraphAnalysis:
         # The caller may pass one tensor (or views of one) as two inputs:
         # nothing at planning time says they are distinct, so where the
         # graph writes an input, every input is taken to be what it writes.
-        inputs = [self.position[n] for n in self.nodes if n.op == "placeholder"]
+        # Not Dynamo's inputs (a "grapharg"): Dynamo passes a tensor given
+        # twice as one input, and its parameters and buffers are inputs too,
+        # which batch norm in training writes (all would be one family).
+        inputs = [
+            self.position[n]
+            for n in self.nodes
+            if n.op == "placeholder" and "grapharg" not in n.meta
+        ]
         written = {families.find(self.position[t]) for ts in self.mutated.values() for t in ts}
         if any(families.find(p) in written for p in inputs):
             for p in inputs[1:]:

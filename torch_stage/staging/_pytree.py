@@ -63,11 +63,3 @@ def on_skip(stage, index, exc):
         type(exc).__name__,
         exc,
     )
-
-
-class Helpers:
-    """This module's helpers as the C++ stage calls them."""
-
-    flatten = staticmethod(flatten)
-    nbytes = staticmethod(nbytes)
-    on_skip = staticmethod(on_skip)

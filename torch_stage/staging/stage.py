@@ -122,7 +122,6 @@ class Stage:
         # A DataLoader's stages are its iterators' (made and closed by them):
         # never a hook's to prime or close.
         self._thread = None if _options.pop("internal") else threading.current_thread()
-        helpers = _pytree.Helpers
         if self._resume_kind is not None:
             # Resumable: items travel tagged with their source position (see
             # _Cursor), so the state counts exactly what consumers received.
@@ -133,7 +132,7 @@ class Stage:
                 _options = dict(_options, transform=_tagged(transform))
         self._impl = _C._Stage(
             source=source,
-            helpers=helpers,
+            helpers=_pytree,
             warn=_warn,
             join_timeout_ms=_JOIN_TIMEOUT_MS,
             **_options,
@@ -924,7 +923,7 @@ def _close_all() -> None:
             left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             # Quietly: the process is going, and the producer with it.
             impl.close(join_timeout_ms=left_ms, warn_if_left=False)
-            _keep_if_running(getattr(stage, "_generator", None))
+            _keep_if_running(stage._generator)
 
 
 def _keep_if_running(source) -> None:
@@ -933,5 +932,5 @@ def _keep_if_running(source) -> None:
     # free it and close() it under that thread ("generator already
     # executing"). A daemon thread inside a generator keeps it through its
     # own frame until the process ends; this reference stands for that.
-    if getattr(source, "gi_running", False):
+    if source is not None and source.gi_running:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(source))

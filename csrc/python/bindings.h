@@ -57,13 +57,78 @@ inline std::atomic<bool>& interpreter_exit_began() {
 // it, and a forced unwind out of a destructor (noexcept) is std::terminate;
 // the object is leaked instead. Outside destructors a producer may still
 // wait (AcquiredGil): a forced unwind there passes through ordinary frames.
-// Left: a thread that checked just before the flag was set and first gets
-// the GIL after finalization began (the main thread releases it often
-// during the exit hook, so the wait normally ends before).
+// A destructor asks through an ExitGate (below), which closes the window
+// between this check and the wait.
 inline bool gil_wait_unsafe() {
   return (interpreter_exit_began().load() || interpreter_finalizing()) &&
       PyThread_get_thread_ident() != main_thread_ident();
 }
+
+// Threads inside an ExitGate: counted before they check the exit flag, so
+// that the exit hook, which sets the flag first, sees every thread that
+// found it unset (both are sequentially consistent: one of the two sees the
+// other).
+inline std::atomic<int64_t>& gated_gil_users() {
+  static std::atomic<int64_t> users{0};
+  return users;
+}
+
+// Fault injection for the tests: how long a thread of ours sleeps after its
+// last check of the exit, just before it waits for the GIL (the window a
+// slow thread leaves between the two; 0 in production).
+inline std::atomic<int64_t>& gil_wait_delay_ms() {
+  static std::atomic<int64_t> ms{0};
+  return ms;
+}
+
+inline void injected_gil_wait_delay() {
+  if (const int64_t ms = gil_wait_delay_ms().load(std::memory_order_relaxed);
+      ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  }
+}
+
+// Leave to take the GIL from a destructor (or from code a destructor may
+// call), safe at interpreter exit: `open()` is false once the exit began
+// (gil_wait_unsafe), and the caller leaks what it would have released. A
+// gate passed before then holds the exit (drain_gated_gil_users, from the
+// exit hook) until it closes, so its GIL wait ends before finalization can
+// begin: without it, a producer thread that checked the flag just before the
+// exit hook set it, then waited for the GIL, could be handed it during
+// finalization and be pthread_exited from inside a destructor
+// (std::terminate: "terminate called without an active exception", the
+// abort of a process whose loop had just left a DataLoader epoch while its
+// staging thread was ending). Take the GIL inside the gate's scope and
+// release it before the gate goes.
+class ExitGate {
+ public:
+  ExitGate() {
+    gated_gil_users().fetch_add(1);
+    open_ = Py_IsInitialized() && !gil_wait_unsafe();
+    if (!open_) {
+      gated_gil_users().fetch_sub(1);
+    }
+  }
+  ExitGate(const ExitGate&) = delete;
+  ExitGate& operator=(const ExitGate&) = delete;
+  ~ExitGate() {
+    if (open_) {
+      gated_gil_users().fetch_sub(1);
+    }
+  }
+  bool open() const {
+    return open_;
+  }
+
+ private:
+  bool open_;
+};
+
+// Called by the main thread, with the GIL held, once the exit flag is set:
+// waits, with the GIL released, until no thread is inside an ExitGate, or
+// for `timeout` (a destructor's Python code that runs longer is left to the
+// old window). Returns whether none is left.
+bool drain_gated_gil_users(std::chrono::milliseconds timeout);
 
 // Parks the calling thread for good: what CPython >= 3.14 does to a thread
 // that wants the GIL after finalization began (older ones pthread_exit it).
@@ -127,10 +192,14 @@ class ThreadStateKeeper {
   ThreadStateKeeper(const ThreadStateKeeper&) = delete;
   ThreadStateKeeper& operator=(const ThreadStateKeeper&) = delete;
   ~ThreadStateKeeper() {
-    if (!kept_ || !Py_IsInitialized() || gil_wait_unsafe() ||
-        gil_closed_to_this_thread()) {
+    if (!kept_) {
       return;
     }
+    ExitGate gate;
+    if (!gate.open()) {
+      return;
+    }
+    injected_gil_wait_delay();
     pybind11::gil_scoped_acquire gil;
     gil.dec_ref(); // the scope's end then deletes the state
   }
@@ -157,6 +226,7 @@ class AcquiredGil {
     // Before taking it: whether the thread has a state (one of Python's
     // threads, or one of ours since its first call) or gets a new one.
     const bool fresh = PyGILState_GetThisThreadState() == nullptr;
+    injected_gil_wait_delay();
     gil_ = new pybind11::gil_scoped_acquire();
     if (fresh) {
       static thread_local ThreadStateKeeper keeper;
@@ -174,6 +244,22 @@ class AcquiredGil {
  private:
   pybind11::gil_scoped_acquire* gil_;
 };
+
+// Releases a Python reference from any thread, destructors included (see
+// ExitGate): past the start of the exit, outside the main thread, it is
+// leaked on purpose, the interpreter going away.
+inline void drop(pybind11::object& obj) {
+  if (!obj) {
+    return;
+  }
+  ExitGate gate;
+  if (!gate.open() || interpreter_finalizing()) {
+    obj.release();
+    return;
+  }
+  AcquiredGil gil;
+  obj = pybind11::object();
+}
 
 // A blocking wait for Python callers (StagingArea, Stage, RecordInput):
 // `attempt(deadline)` runs first without waiting and without giving up the

@@ -5,6 +5,26 @@
 
 #include "python/bindings.h"
 
+namespace torch_stage::python {
+
+bool drain_gated_gil_users(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (gated_gil_users().load() == 0) {
+    return true;
+  }
+  // A thread inside a gate may be waiting for the GIL this thread holds.
+  ReleasedGil no_gil;
+  while (gated_gil_users().load() > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+} // namespace torch_stage::python
+
 PYBIND11_MODULE(_C, m) {
   m.doc() =
       "torch_stage Python bindings (internal; use the torch_stage package)";
@@ -15,9 +35,26 @@ PYBIND11_MODULE(_C, m) {
           .cast<unsigned long>();
   m.def(
       "_interpreter_exit_begins",
-      [] { torch_stage::python::interpreter_exit_began().store(true); },
+      [](int64_t drain_timeout_ms) {
+        torch_stage::python::interpreter_exit_began().store(true);
+        return torch_stage::python::drain_gated_gil_users(
+            std::chrono::milliseconds(drain_timeout_ms));
+      },
+      pybind11::arg("drain_timeout_ms"),
       "Called by torch_stage's atexit hook: from now on no thread but the "
-      "main one starts waiting for the GIL (see csrc/python/bindings.h).");
+      "main one starts waiting for the GIL from a destructor, and the waits "
+      "that began before end first, for at most drain_timeout_ms (see "
+      "ExitGate in csrc/python/bindings.h). Returns whether they all did.");
+  m.def(
+      "_delay_gil_waits",
+      [](int64_t ms) { torch_stage::python::gil_wait_delay_ms().store(ms); },
+      pybind11::arg("ms"),
+      "Fault injection for the tests: a thread of ours sleeps ms after its "
+      "last check of the exit, just before it waits for the GIL.");
+  m.def(
+      "_gated_gil_users",
+      [] { return torch_stage::python::gated_gil_users().load(); },
+      "Threads inside an ExitGate now (for the tests).");
   torch_stage::python::init_staging(m);
   torch_stage::python::init_stage(m);
   torch_stage::python::init_records(m);

@@ -46,25 +46,6 @@ bool python_alive() {
   return Py_IsInitialized() && !interpreter_finalizing();
 }
 
-// Whether this thread may take the GIL to release a Python reference: not
-// once the exit began, outside the main thread (gil_wait_unsafe).
-bool may_release_python() {
-  return python_alive() && !gil_wait_unsafe();
-}
-
-// Releases a Python reference from any thread.
-void drop(py::object& obj) {
-  if (!obj) {
-    return;
-  }
-  if (!may_release_python()) {
-    obj.release(); // leaked on purpose: the interpreter is going away
-    return;
-  }
-  AcquiredGil gil;
-  obj = py::object();
-}
-
 // An item's Python part: the object itself, or (after flattening for device
 // staging) the structure that rebuilds it around item.tensors.
 struct PyPayload {
@@ -336,7 +317,9 @@ class PyStage {
           delete o;
         });
     stage_->set_warning_handler([warn_fn](const std::string& message) {
-      if (!may_release_python()) {
+      // Gated: close() warns, and ~Stage closes.
+      ExitGate gate;
+      if (!gate.open() || interpreter_finalizing()) {
         return;
       }
       AcquiredGil gil;

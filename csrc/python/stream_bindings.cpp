@@ -784,7 +784,7 @@ void init_streams(py::module_& m) {
         // thread drops the last reference.
         std::shared_ptr<py::object> held(
             new py::object(std::move(observer)), [](py::object* o) {
-              py::gil_scoped_acquire gil;
+              drop(*o);
               delete o;
             });
         auto call = std::make_shared<const StreamObserver>(

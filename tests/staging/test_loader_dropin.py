@@ -1182,6 +1182,63 @@ def test_nothing_of_warnings_or_torchscript_is_replaced_once_no_iterator_produce
     assert run_python(_PATCHES).stdout.strip().endswith("ok")
 
 
+_ENDING_THREAD_AT_EXIT = """
+import threading, time, torch, torch_stage
+from torch_stage import _C
+
+
+class Slow:
+    # Freed while the interpreter finalizes __main__, releasing the GIL for
+    # a while: a thread waiting for it then is handed it during finalization.
+    def __del__(self, sleep=time.sleep):
+        sleep(1.0)
+
+
+keep = Slow()
+
+
+class Gated(torch.utils.data.Dataset):
+    def __init__(self):
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i >= 2:
+            self.inside.set()
+            assert self.release.wait(60)
+        return torch.tensor([i])
+
+
+data = Gated()
+loader = torch_stage.DataLoader(data, batch_size=1, num_threads=1)
+for x in loader:
+    if data.inside.wait(30):
+        break  # at once, the staging thread inside __getitem__
+# Its GIL waits (from destructors among them: the items and the thread
+# state it drops on its way out) begin 300 ms after their last check of
+# the exit.
+_C._delay_gil_waits(300)
+data.release.set()
+deadline = time.monotonic() + 30
+while _C._gated_gil_users() == 0 and time.monotonic() < deadline:
+    time.sleep(0.001)
+print("exits" if _C._gated_gil_users() else "no thread in the window", flush=True)
+"""
+
+
+def test_a_staging_thread_ending_as_the_interpreter_exits_does_not_abort_it(run_python):
+    # A staging thread left inside the dataset by `break` ends while the
+    # interpreter exits. It checked the exit flag before the exit hook set
+    # it, then waited for the GIL from a destructor; handed the GIL during
+    # finalization, CPython < 3.14 pthread_exits it there, which aborted the
+    # process ("terminate called without an active exception", once in CI
+    # after the test above). The exit hook now lets such waits end first.
+    proc = run_python(_ENDING_THREAD_AT_EXIT, check=False)
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "exits", "")
+
+
 class _Gated(tud.Dataset):
     """Items from ``gate_at`` on wait for ``release`` (a slow read), and say
     when they start; records how many calls are inside at once."""

@@ -911,9 +911,10 @@ def _park_daemon() -> None:
 def _close_all() -> None:
     # C++ producer threads are not joined by threading's shutdown; stop them
     # before the interpreter goes away. First, no producer may start waiting
-    # for the GIL any more (such a wait could end in finalization, where
-    # CPython ends the thread from inside it: csrc/python/bindings.h).
-    _C._interpreter_exit_begins()
+    # for the GIL from a destructor any more (such a wait could end in
+    # finalization, where CPython ends the thread from inside it), and the
+    # waits that began before end now (ExitGate, csrc/python/bindings.h).
+    _C._interpreter_exit_begins(drain_timeout_ms=_EXIT_JOIN_TIMEOUT_MS)
     global _exiting
     _exiting = True
     deadline = time.monotonic() + _EXIT_JOIN_TIMEOUT_MS / 1000

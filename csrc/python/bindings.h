@@ -90,7 +90,8 @@ inline void injected_gil_wait_delay() {
 
 // Leave to take the GIL from a destructor (or from code a destructor may
 // call), safe at interpreter exit: `open()` is false once the exit began
-// (gil_wait_unsafe), and the caller leaks what it would have released. A
+// (gil_wait_unsafe) and, on any thread, once finalization began; the caller
+// then leaks what it would have released. A
 // gate passed before then holds the exit (drain_gated_gil_users, from the
 // exit hook) until it closes, so its GIL wait ends before finalization can
 // begin: without it, a producer thread that checked the flag just before the
@@ -104,7 +105,8 @@ class ExitGate {
  public:
   ExitGate() {
     gated_gil_users().fetch_add(1);
-    open_ = Py_IsInitialized() && !gil_wait_unsafe();
+    open_ =
+        Py_IsInitialized() && !interpreter_finalizing() && !gil_wait_unsafe();
     if (!open_) {
       gated_gil_users().fetch_sub(1);
     }
@@ -253,7 +255,7 @@ inline void drop(pybind11::object& obj) {
     return;
   }
   ExitGate gate;
-  if (!gate.open() || interpreter_finalizing()) {
+  if (!gate.open()) {
     obj.release();
     return;
   }

@@ -319,7 +319,7 @@ class PyStage {
     stage_->set_warning_handler([warn_fn](const std::string& message) {
       // Gated: close() warns, and ~Stage closes.
       ExitGate gate;
-      if (!gate.open() || interpreter_finalizing()) {
+      if (!gate.open()) {
         return;
       }
       AcquiredGil gil;
